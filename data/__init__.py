@@ -1,0 +1,1 @@
+"""Data stage: chat sources, templates and loss masks (prepare), hidden-state shards (dump)."""

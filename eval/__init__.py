@@ -1,0 +1,1 @@
+"""Eval stage: tree speculative decoder with exact verification, acceptance reports."""

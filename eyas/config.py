@@ -1,0 +1,414 @@
+"""Typed recipes: one YAML file per run, loaded into validated dataclasses.
+
+A recipe has one section per stage (`run`, `target`, `data`, `dump`, `draft`, `train`,
+`eval`, `export`). Every key has a default, a type and a one-line doc (the `doc` field
+metadata); `reference_markdown()` renders the documentation table that the README shows.
+
+Rules a user relies on:
+- an unknown or misspelt key is an error naming the key and the closest valid ones;
+- a value of the wrong type or out of range is an error naming the key;
+- command-line overrides `section.key=value` are parsed as YAML scalars/lists;
+- the resolved recipe is written next to every output (`save_resolved`).
+
+Checks that need the target's config (a layer index past its depth) live in
+`check_against_target`, called by the stages once the target config is known.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from eyas.errors import EyasError
+
+
+def _doc(text: str, default: Any = dataclasses.MISSING, factory: Any = dataclasses.MISSING):
+    """A dataclass field carrying its documentation (shown in the README key reference)."""
+    if factory is not dataclasses.MISSING:
+        return field(default_factory=factory, metadata={"doc": text})
+    return field(default=default, metadata={"doc": text})
+
+
+@dataclass
+class RunConfig:
+    name: str = _doc("Run name; the run directory is `<output_dir>/<name>`.", "default")
+    output_dir: str = _doc("Parent folder of run directories.", "runs")
+    seed: int = _doc("Seed for data order, initialisation and sampling.", 0)
+
+
+@dataclass
+class TargetConfig:
+    path: str = _doc(
+        "Local HF model directory, or the built-in alias `smollm2-135m-instruct`.",
+        "smollm2-135m-instruct",
+    )
+    dtype: str = _doc("Weights dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16.", "auto")
+    attn_implementation: str = _doc("Attention kernel: sdpa, eager or flash_attention_2.", "sdpa")
+    device: str = _doc("auto (the launcher's GPU if any, else CPU), cpu, cuda, cuda:N.", "auto")
+    chat_template: str = _doc(
+        "Path to a Jinja chat template that replaces the tokenizer's own (empty: the tokenizer's).", ""
+    )
+
+
+@dataclass
+class DataConfig:
+    source: str = _doc(
+        "`chitchat` (built-in conversations), a JSONL/JSON file, or a `datasets` directory saved with save_to_disk.",
+        "chitchat",
+    )
+    format: str = _doc("Row format: auto, sharegpt (conversations/from/value), openai (messages/role/content), text.", "auto")
+    max_samples: int = _doc("Use at most this many conversations (0: all).", 0)
+    heldout_fraction: float = _doc("Fraction of conversations held out for eval, split deterministically by conversation.", 0.02)
+    system_prompt: str = _doc("System prompt added to conversations that have none (empty: none added).", "")
+    max_length: int = _doc("Longest tokenised sample, in tokens.", 2048)
+    overflow: str = _doc("What to do with longer samples: truncate or drop.", "truncate")
+    num_proc: int = _doc("Worker processes for tokenisation (datasets.map).", 1)
+    regenerate: bool = _doc("Replace assistant turns with the target's own responses.", False)
+    regenerate_endpoint: str = _doc(
+        "OpenAI-compatible base URL (vLLM, SGLang) for regeneration; empty: the target via HF generate.", ""
+    )
+    regenerate_max_new_tokens: int = _doc("Longest regenerated assistant turn, in tokens.", 256)
+    regenerate_batch_size: int = _doc("Conversations generated together.", 16)
+    regenerate_temperature: float = _doc("Sampling temperature for regeneration (0: greedy).", 0.0)
+
+
+@dataclass
+class DumpConfig:
+    layers: list = _doc(
+        "HF `hidden_states` indices of the fused layers (empty: 2, L//2, L-3 as EAGLE-3 uses).", factory=list
+    )
+    encoding: str = _doc("Feature encoding on disk: bf16, fp16, fp8 (e4m3, per-token scale) or int8 (per-token scale).", "int8")
+    teacher: str = _doc(
+        "What the teacher distribution is recomputed from: last_hidden (through the frozen lm_head) or topk.", "last_hidden"
+    )
+    topk: int = _doc("Teacher top-k kept when teacher=topk.", 32)
+    token_budget: int = _doc("Tokens per target forward (batches sorted by length, padded to the longest).", 8192)
+    shard_tokens: int = _doc("Tokens per shard file.", 262144)
+    draft_vocab_size: int = _doc("Size of the reduced draft vocabulary (d2t/t2d); 0 or >= target vocab: full vocab.", 32000)
+
+
+@dataclass
+class DraftConfig:
+    kind: str = _doc("Draft head: eagle (EAGLE-1), eagle3 (EAGLE-3) or mtp (one layer per step).", "eagle3")
+    num_steps: int = _doc("mtp: independent layers, one per draft step.", 3)
+    mtp_feed: str = _doc("mtp: chain (step k reads step k-1's hidden) or target (every step reads the target's).", "chain")
+    intermediate_size: int = _doc("MLP width of the draft layer (0: the target's).", 0)
+    use_draft_vocab: bool = _doc("eagle3: predict over the reduced draft vocabulary (d2t/t2d).", True)
+
+
+@dataclass
+class TrainConfig:
+    source: str = _doc("shards (from `eyas dump`) or online (the frozen target runs in the loop).", "shards")
+    epochs: float = _doc("Passes over the training shards.", 1.0)
+    max_steps: int = _doc("Stop after this many optimizer steps (0: epochs decide).", 0)
+    token_budget: int = _doc("Tokens per micro-batch per process.", 8192)
+    grad_accum: int = _doc("Micro-batches per optimizer step.", 1)
+    lr: float = _doc("Peak learning rate (AdamW).", 1e-4)
+    min_lr_ratio: float = _doc("Final learning rate as a fraction of lr (cosine decay).", 0.1)
+    warmup_steps: int = _doc("Linear warmup steps.", 100)
+    weight_decay: float = _doc("AdamW weight decay.", 0.0)
+    betas: list = _doc("AdamW betas.", factory=lambda: [0.9, 0.95])
+    max_grad_norm: float = _doc("Gradient clipping norm (0: off).", 0.5)
+    ttt_steps: int = _doc("eagle3/mtp: training-time-test unroll length.", 7)
+    ttt_decay: float = _doc("Weight of unrolled step k is ttt_decay**k.", 0.8)
+    loss: str = _doc("Distribution loss: forward_kl, ce, tv, jsd, or a mix like `forward_kl:0.9,ce:0.1`.", "forward_kl")
+    feature_loss_weight: float = _doc("eagle: weight of the smooth-L1 feature regression.", 1.0)
+    teacher_chunk: int = _doc("Positions per chunk when recomputing the teacher through lm_head.", 2048)
+    mixed_precision: str = _doc("no, bf16 or fp16 (GPU).", "no")
+    eval_every: int = _doc("Held-out evaluation every N steps (0: only at the end).", 500)
+    eval_batches: int = _doc("Held-out micro-batches per evaluation.", 20)
+    save_every: int = _doc("Checkpoint every N steps (0: only at the end).", 500)
+    keep_last: int = _doc("Checkpoints kept (the best by held-out acceptance is kept besides).", 2)
+    log_every: int = _doc("Log metrics every N steps.", 10)
+    logger: str = _doc("none, wandb (offline without an API key) or tensorboard.", "none")
+    resume: bool = _doc("Resume from the newest checkpoint in the run directory if there is one.", True)
+
+
+@dataclass
+class EvalConfig:
+    prompts: str = _doc("heldout (the recipe's held-out split), or a JSONL file (MT-bench turns or OpenAI messages).", "heldout")
+    max_prompts: int = _doc("Evaluate at most this many prompts (0: all).", 20)
+    max_new_tokens: int = _doc("Tokens generated per prompt.", 128)
+    shapes: list = _doc(
+        "Draft shapes compared: `chain:K`, `tree:<json list of paths>`, `dynamic:depth=D,topk=K,nodes=N`.",
+        factory=lambda: ["chain:5", "dynamic:depth=6,topk=8,nodes=32"],
+    )
+    temperature: float = _doc("Sampling temperature (0: greedy, exact match with the target).", 0.0)
+    top_p: float = _doc("Nucleus sampling, applied to target and draft alike (1: off).", 1.0)
+    top_k: int = _doc("Top-k sampling, applied to target and draft alike (0: off).", 0)
+    baseline: bool = _doc("Also time the target alone for the speedup column.", True)
+    checkpoint: str = _doc("Draft checkpoint (empty: the run's best checkpoint).", "")
+
+
+@dataclass
+class ExportConfig:
+    to: str = _doc("Serving engine format: sglang or vllm.", "sglang")
+    checkpoint: str = _doc("Checkpoint to export (empty: the run's best).", "")
+
+
+@dataclass
+class Recipe:
+    run: RunConfig = field(default_factory=RunConfig)
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    dump: DumpConfig = field(default_factory=DumpConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.output_dir) / self.run.name
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# Values restricted to a set of choices, and numeric ranges: (key -> check, message).
+CHOICES = {
+    "target.dtype": ("auto", "float32", "bfloat16", "float16"),
+    "target.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
+    "data.format": ("auto", "sharegpt", "openai", "text"),
+    "data.overflow": ("truncate", "drop"),
+    "dump.encoding": ("bf16", "fp16", "fp8", "int8"),
+    "dump.teacher": ("last_hidden", "topk"),
+    "draft.kind": ("eagle", "eagle3", "mtp"),
+    "draft.mtp_feed": ("chain", "target"),
+    "train.source": ("shards", "online"),
+    "train.mixed_precision": ("no", "bf16", "fp16"),
+    "train.logger": ("none", "wandb", "tensorboard"),
+    "export.to": ("sglang", "vllm"),
+}
+LOSS_NAMES = ("forward_kl", "ce", "tv", "jsd")
+
+_POSITIVE = ["train.lr", "train.token_budget", "train.grad_accum", "train.ttt_steps", "train.teacher_chunk",
+             "train.log_every", "draft.num_steps", "data.max_length", "data.num_proc",
+             "data.regenerate_max_new_tokens", "data.regenerate_batch_size", "dump.token_budget",
+             "dump.shard_tokens", "dump.topk", "eval.max_new_tokens", "train.epochs", "train.keep_last",
+             "train.eval_batches"]
+_NON_NEGATIVE = ["train.max_steps", "train.warmup_steps", "train.weight_decay", "train.max_grad_norm",
+                 "train.eval_every", "train.save_every", "train.feature_loss_weight", "data.max_samples",
+                 "data.regenerate_temperature", "dump.draft_vocab_size", "draft.intermediate_size",
+                 "eval.max_prompts", "eval.temperature", "eval.top_k"]
+_UNIT_INTERVAL = {"data.heldout_fraction": (0.0, 1.0, "closed-open"), "train.min_lr_ratio": (0.0, 1.0, "closed"),
+                  "train.ttt_decay": (0.0, 1.0, "open-closed"), "eval.top_p": (0.0, 1.0, "open-closed")}
+
+
+def _resolve(cls: type, name: str) -> Any:
+    return typing.get_type_hints(cls)[name]
+
+
+def _suggest(word: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(word, valid, n=3, cutoff=0.5)
+    if close:
+        return "did you mean " + " or ".join(f"'{c}'" for c in close) + "?"
+    return "valid keys: " + ", ".join(valid)
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Check `value` against a field's type; ints are accepted for floats, nothing else is coerced."""
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation is list:
+        if isinstance(value, tuple):
+            value = list(value)
+        if not isinstance(value, list):
+            raise EyasError(f"recipe key '{key}' must be a list, got {type(value).__name__} {value!r}")
+        return value
+    ok = isinstance(value, annotation) and not (annotation is int and isinstance(value, bool))
+    if annotation is float and isinstance(value, float) and math.isnan(value):
+        ok = False
+    if not ok:
+        raise EyasError(
+            f"recipe key '{key}' must be {annotation.__name__}, got {type(value).__name__} {value!r}"
+        )
+    return value
+
+
+def _build_section(name: str, cls: type, values: Any) -> Any:
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise EyasError(f"recipe section '{name}' must be a mapping of keys, got {type(values).__name__}")
+    hints = typing.get_type_hints(cls)
+    valid = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        if key not in valid:
+            raise EyasError(f"unknown recipe key '{name}.{key}': {_suggest(str(key), valid)}")
+        kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])
+    return cls(**kwargs)
+
+
+def _get(recipe: Recipe, dotted: str) -> Any:
+    section, key = dotted.split(".")
+    return getattr(getattr(recipe, section), key)
+
+
+def validate(recipe: Recipe) -> Recipe:
+    """Range and choice checks that need no target; raises EyasError naming the key."""
+    for key, choices in CHOICES.items():
+        value = _get(recipe, key)
+        if value not in choices:
+            raise EyasError(f"recipe key '{key}' is {value!r}; choose one of: {', '.join(choices)}")
+    for key in _POSITIVE:
+        if not _get(recipe, key) > 0:
+            raise EyasError(f"recipe key '{key}' must be > 0, got {_get(recipe, key)!r}")
+    for key in _NON_NEGATIVE:
+        if _get(recipe, key) < 0:
+            raise EyasError(f"recipe key '{key}' must be >= 0, got {_get(recipe, key)!r}")
+    for key, (lo, hi, kind) in _UNIT_INTERVAL.items():
+        v = _get(recipe, key)
+        ok_lo = v >= lo if kind in ("closed", "closed-open") else v > lo
+        ok_hi = v <= hi if kind in ("closed", "open-closed") else v < hi
+        if not (ok_lo and ok_hi):
+            lb = "[" if kind in ("closed", "closed-open") else "("
+            rb = "]" if kind in ("closed", "open-closed") else ")"
+            raise EyasError(f"recipe key '{key}' must be in {lb}{lo}, {hi}{rb}, got {v!r}")
+    parse_loss_mix(recipe.train.loss)
+    if len(recipe.train.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in recipe.train.betas):
+        raise EyasError(f"recipe key 'train.betas' must be two numbers in [0, 1), got {recipe.train.betas!r}")
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in recipe.dump.layers):
+        raise EyasError(f"recipe key 'dump.layers' must be a list of integers, got {recipe.dump.layers!r}")
+    if recipe.dump.layers and len(recipe.dump.layers) != 3:
+        raise EyasError(f"recipe key 'dump.layers' takes 3 layer indices (low, middle, high), got {recipe.dump.layers!r}")
+    if not recipe.eval.shapes or not all(isinstance(s, str) for s in recipe.eval.shapes):
+        raise EyasError(f"recipe key 'eval.shapes' must be a non-empty list of shape strings, got {recipe.eval.shapes!r}")
+    if not recipe.run.name or "/" in recipe.run.name:
+        raise EyasError(f"recipe key 'run.name' must be a non-empty name without '/', got {recipe.run.name!r}")
+    return recipe
+
+
+def parse_loss_mix(spec: str) -> dict[str, float]:
+    """`forward_kl` -> {forward_kl: 1.0}; `forward_kl:0.9,ce:0.1` -> weights per loss."""
+    mix: dict[str, float] = {}
+    for part in spec.split(","):
+        name, _, weight = part.strip().partition(":")
+        if name not in LOSS_NAMES:
+            raise EyasError(f"recipe key 'train.loss': unknown loss '{name}'; {_suggest(name, list(LOSS_NAMES))}")
+        try:
+            w = float(weight) if weight else 1.0
+        except ValueError:
+            raise EyasError(f"recipe key 'train.loss': weight '{weight}' of '{name}' is not a number") from None
+        if w < 0:
+            raise EyasError(f"recipe key 'train.loss': weight of '{name}' must be >= 0, got {w}")
+        mix[name] = w
+    if sum(mix.values()) <= 0:
+        raise EyasError("recipe key 'train.loss': the loss weights sum to 0")
+    return mix
+
+
+def from_dict(raw: Any) -> Recipe:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise EyasError(f"a recipe must be a YAML mapping of sections, got {type(raw).__name__}")
+    sections = {f.name: _resolve(Recipe, f.name) for f in dataclasses.fields(Recipe)}
+    built = {}
+    for name, values in raw.items():
+        if name not in sections:
+            raise EyasError(f"unknown recipe section '{name}': {_suggest(str(name), list(sections))}")
+        built[name] = _build_section(name, sections[name], values)
+    return validate(Recipe(**built))
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Apply `section.key=value` strings to a raw recipe dict; values are parsed as YAML."""
+    raw = {k: dict(v or {}) if isinstance(v, dict) or v is None else v for k, v in (raw or {}).items()}
+    for item in overrides:
+        dotted, sep, text = item.partition("=")
+        if not sep or dotted.count(".") != 1:
+            raise EyasError(f"override '{item}' must look like section.key=value (for example train.lr=3e-4)")
+        section, key = dotted.split(".")
+        try:
+            value = yaml.safe_load(text) if text != "" else ""
+        except yaml.YAMLError as exc:
+            raise EyasError(f"override '{item}': value is not valid YAML ({exc.problem})") from None
+        if isinstance(value, str) and _looks_numeric(value):
+            value = float(value)  # YAML 1.1 reads "3e-4" as a string; users mean a number
+        target = raw.setdefault(section, {})
+        if not isinstance(target, dict):
+            raise EyasError(f"override '{item}': recipe section '{section}' is not a mapping")
+        target[key] = value
+    return raw
+
+
+def _looks_numeric(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return text.strip().lower() not in ("nan", "inf", "-inf", "+inf", "infinity")
+
+
+def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> Recipe:
+    """Read a YAML recipe (None: all defaults), apply overrides, validate."""
+    raw: Any = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise EyasError(f"recipe file '{path}' does not exist; pass the path of a YAML recipe (see recipes/)")
+        try:
+            raw = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            where = getattr(exc, "problem_mark", None)
+            at = f" at line {where.line + 1}" if where else ""
+            raise EyasError(f"recipe file '{path}' is not valid YAML{at}: {getattr(exc, 'problem', exc)}") from None
+        if raw is not None and not isinstance(raw, dict):
+            raise EyasError(f"recipe file '{path}' must be a YAML mapping of sections (run:, target:, ...)")
+    return from_dict(apply_overrides(raw or {}, overrides or []))
+
+
+def save_resolved(recipe: Recipe, directory: str | Path, name: str = "recipe.yaml") -> Path:
+    """Write the fully resolved recipe (every key, defaults included) next to a stage's output."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    out = directory / name
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+    tmp.replace(out)
+    return out
+
+
+def default_layers(num_hidden_layers: int) -> list[int]:
+    """EAGLE-3's fused layers as HF `hidden_states` indices: low, middle, high."""
+    return [2, num_hidden_layers // 2, num_hidden_layers - 3]
+
+
+def check_against_target(recipe: Recipe, target_config: Any) -> None:
+    """Checks that need the target's config; raises EyasError naming the key."""
+    depth = int(target_config.num_hidden_layers)
+    for idx in recipe.dump.layers:
+        if not 0 <= idx <= depth:
+            raise EyasError(
+                f"recipe key 'dump.layers' has index {idx}, but the target has {depth} layers "
+                f"(HF hidden_states indices 0..{depth}); the default is {default_layers(depth)}"
+            )
+    if recipe.draft.kind == "mtp" and recipe.train.ttt_steps > recipe.draft.num_steps:
+        raise EyasError(
+            f"recipe key 'train.ttt_steps' is {recipe.train.ttt_steps} but an mtp draft has only "
+            f"draft.num_steps={recipe.draft.num_steps} layers; set train.ttt_steps <= draft.num_steps"
+        )
+
+
+def reference_markdown() -> str:
+    """Every recipe key with type, default and doc, as a Markdown table (for the README)."""
+    lines = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+    defaults = Recipe()
+    for section in dataclasses.fields(Recipe):
+        cls = _resolve(Recipe, section.name)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = getattr(getattr(defaults, section.name), f.name)
+            shown = f"`{default!r}`" if default != "" else "`''`"
+            doc = f.metadata.get("doc", "")
+            lines.append(f"| `{section.name}.{f.name}` | {hints[f.name].__name__} | {shown} | {doc} |")
+    return "\n".join(lines)

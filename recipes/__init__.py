@@ -1,0 +1,1 @@
+"""Recipes shipped with eyas (YAML), found by `eyas quickstart` and the docs."""

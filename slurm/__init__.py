@@ -1,0 +1,1 @@
+"""SLURM templates and `eyas submit`."""

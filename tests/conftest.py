@@ -1,0 +1,37 @@
+"""Shared pytest fixtures: tiny targets (session-scoped) and the real SmolLM2 target."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from fixtures import build_tiny_target  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A tiny Llama-shaped target (6 layers, hidden 64, vocab 384) saved with save_pretrained."""
+    return build_tiny_target(tmp_path_factory.mktemp("tiny_llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen2-shaped target (attention biases, untied head) saved with save_pretrained."""
+    return build_tiny_target(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real SmolLM2-135M-Instruct, converted once into the user cache (slow tests only)."""
+    from eyas.targets import SMOLLM2_ALIAS, resolve_target_path
+
+    return resolve_target_path(SMOLLM2_ALIAS)

@@ -1,0 +1,105 @@
+"""Tiny targets for tests: Llama- and Qwen2-shaped models with a real tokenizer.
+
+Everything is built in code (no network) and saved/loaded through the real
+`save_pretrained` / `from_pretrained` path, so the stages see the same files a user's
+model directory holds. The tokenizer is a byte-level BPE trained on a small built-in
+corpus, with ChatML special tokens and the ChatML chat template that SmolLM2 and Qwen use.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+_CORPUS = [
+    "Hello, how are you doing today? I am fine, thank you for asking.",
+    "What is the capital of France? The capital of France is Paris.",
+    "Tell me a story about a hawk that learns to fly over the mountains.",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))",
+    "The quick brown fox jumps over the lazy dog. 0123456789",
+    "Speculative decoding drafts tokens and the target verifies them in one pass.",
+    "Can you summarise this text in two sentences? Sure, here is a short summary.",
+    "I like music, movies, books and long walks in the park on sunny days.",
+]
+
+
+def build_tokenizer(vocab_size: int = 384):
+    """A byte-level BPE tokenizer with ChatML tokens and template (PreTrainedTokenizerFast)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+        pad_token="<|endoftext|>", unk_token="<|endoftext|>",
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def _llama_config(vocab_size: int, **overrides):
+    from transformers import LlamaConfig
+
+    base = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    base.update(overrides)
+    return LlamaConfig(**base)
+
+
+def _qwen2_config(vocab_size: int, **overrides):
+    from transformers import Qwen2Config
+
+    base = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    base.update(overrides)
+    return Qwen2Config(**base)
+
+
+def build_tiny_target(out_dir: str | Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Save a tiny randomly initialised causal LM + tokenizer to `out_dir`; return the path.
+
+    The output head is scaled up so the next-token distribution is peaked (mean top
+    probability about 0.3-0.4) instead of near uniform: drafts and acceptance tests need a
+    target whose predictions have structure. Random targets still fall into short loops
+    under greedy decoding; tests that need variety sample or use many prompts.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out_dir = Path(out_dir)
+    tokenizer = build_tokenizer()
+    vocab = len(tokenizer)
+    config = (_llama_config if family == "llama" else _qwen2_config)(vocab, **overrides)
+    config.bos_token_id = tokenizer.bos_token_id
+    config.eos_token_id = tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(20.0)  # sharper logits than the default init
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
