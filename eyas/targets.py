@@ -102,7 +102,12 @@ def load_target_config(path: str) -> Any:
 def _check_causal_lm(config: Any, path: str) -> None:
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+    # `architectures` says what the checkpoint was saved as (BERT, say, has a causal-LM
+    # class in the mapping but a BertForMaskedLM checkpoint is not a chat target).
+    archs = getattr(config, "architectures", None) or []
+    causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs) if archs else \
+        type(config) in MODEL_FOR_CAUSAL_LM_MAPPING
+    if not causal:
         raise EyasError(
             f"target.path '{path}' holds a '{config.model_type}' model, which is not a causal LM; "
             "give a decoder-only chat model (Llama, Qwen2/3, Mistral, ...)"
