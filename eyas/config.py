@@ -77,6 +77,7 @@ class DataConfig:
     regenerate_max_new_tokens: int = _doc("Longest regenerated assistant turn, in tokens.", 256)
     regenerate_batch_size: int = _doc("Conversations generated together.", 16)
     regenerate_temperature: float = _doc("Sampling temperature for regeneration (0: greedy).", 0.0)
+    regenerate_model: str = _doc("Model name sent to regenerate_endpoint (empty: the first one its /v1/models lists).", "")
 
 
 @dataclass
@@ -84,7 +85,7 @@ class DumpConfig:
     layers: list = _doc(
         "HF `hidden_states` indices of the fused layers (empty: 2, L//2, L-3 as EAGLE-3 uses).", factory=list
     )
-    encoding: str = _doc("Feature encoding on disk: bf16, fp16, fp8 (e4m3, per-token scale) or int8 (per-token scale).", "int8")
+    encoding: str = _doc("Feature encoding on disk: bf16, fp16, fp8 (e4m3, per-token scale), int8 (per-token scale) or int4 (groups of 32).", "int8")
     teacher: str = _doc(
         "What the teacher distribution is recomputed from: last_hidden (through the frozen lm_head) or topk.", "last_hidden"
     )
@@ -92,6 +93,9 @@ class DumpConfig:
     token_budget: int = _doc("Tokens per target forward (batches sorted by length, padded to the longest).", 8192)
     shard_tokens: int = _doc("Tokens per shard file.", 262144)
     draft_vocab_size: int = _doc("Size of the reduced draft vocabulary (d2t/t2d); 0 or >= target vocab: full vocab.", 32000)
+    low_layer_encoding: str = _doc(
+        "Encoding of the lowest fused layer (empty: same as encoding); int4 = 4-bit groups of 32 with a scale each.", ""
+    )
 
 
 @dataclass
@@ -178,7 +182,8 @@ CHOICES = {
     "target.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
     "data.format": ("auto", "sharegpt", "openai", "text"),
     "data.overflow": ("truncate", "drop"),
-    "dump.encoding": ("bf16", "fp16", "fp8", "int8"),
+    "dump.encoding": ("bf16", "fp16", "fp8", "int8", "int4"),
+    "dump.low_layer_encoding": ("", "bf16", "fp16", "fp8", "int8", "int4"),
     "dump.teacher": ("last_hidden", "topk"),
     "draft.kind": ("eagle", "eagle3", "mtp"),
     "draft.mtp_feed": ("chain", "target"),
