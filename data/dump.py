@@ -1,0 +1,410 @@
+"""`eyas dump RECIPE`: run the frozen target over the prepared tokens and write feature shards.
+
+What is stored per token depends on the draft (see `feature_spec`): EAGLE-3 needs its three
+fused layers (`aux_hidden`) and, unless the teacher is a stored top-k, the last hidden state
+from which trainers recompute the teacher through the frozen lm_head; EAGLE-1 and mtp heads
+read the last hidden state only. Only the decoder stack runs (no lm_head over every position,
+which on a small-hidden, large-vocab target costs more than the layers), with forward hooks
+capturing the needed layers as they pass.
+
+The work is planned from the sample lengths alone: samples sorted longest first, cut into
+shards of about `dump.shard_tokens` tokens, each shard cut into `dump.token_budget` batches.
+So a shard's contents depend only on the data and the settings, never on which process wrote
+it or when: shard i of a 4-process dump, of a resumed dump and of a one-process dump are the
+same bytes (on the same hardware). Ranks (RANK/WORLD_SIZE from torchrun, accelerate or a SLURM
+array) take shards i % WORLD_SIZE == RANK. A shard is written atomically with a sidecar
+recording its sha256; a rerun checks every finished shard and redoes only missing or bad ones.
+Rank 0 writes index, vocabulary and manifest once every shard exists: co-launched ranks
+(torchrun / accelerate) wait for each other; independent ones (a SLURM array) leave that to a
+final single-process `eyas dump` that finds everything done.
+
+Layout: `run_dir/shards/` (train) and `run_dir/shards/heldout/`, see `eyas.data.shards`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from eyas.errors import EyasError
+
+from eyas.data.shards import (
+    MANIFEST, SCHEMA_VERSION, atomic_write_json, budget_batches, build_index, check_shard, encode, ids_dtype,
+    read_sidecar, shard_name, wait_for, write_shard,
+)
+
+PLAN = "plan.json"
+
+
+# ----------------------------------------------------------------------------- what to store
+
+
+def feature_spec(recipe: Any, target_config: Any) -> dict:
+    """Which features this draft kind needs, with layers and encodings."""
+    depth = int(target_config.num_hidden_layers)
+    dump = recipe.dump
+    spec: dict = {"aux_layers": [], "last_hidden": False, "topk": 0}
+    if recipe.draft.kind == "eagle3":
+        from eyas.config import default_layers
+
+        spec["aux_layers"] = list(dump.layers) if dump.layers else default_layers(depth)
+        spec["last_hidden"] = dump.teacher == "last_hidden"
+    else:  # eagle and mtp read the last hidden state as their feature
+        spec["last_hidden"] = True
+    if dump.teacher == "topk":
+        spec["topk"] = int(dump.topk)
+    low = dump.low_layer_encoding or dump.encoding
+    spec["aux_encodings"] = [low] + [dump.encoding] * (len(spec["aux_layers"]) - 1) if spec["aux_layers"] else []
+    spec["last_encoding"] = dump.encoding
+    return spec
+
+
+def manifest_features(spec: dict, hidden: int) -> dict:
+    features = {}
+    if spec["aux_layers"]:
+        features["aux_hidden"] = {"layers": spec["aux_layers"], "encodings": spec["aux_encodings"],
+                                  "shape": [len(spec["aux_layers"]) * hidden]}
+    if spec["last_hidden"]:
+        features["last_hidden"] = {"encoding": spec["last_encoding"], "shape": [hidden]}
+    if spec["topk"]:
+        features["topk_values"] = {"encoding": "fp16", "shape": [spec["topk"]], "meaning": "teacher log-probabilities"}
+        features["topk_ids"] = {"encoding": "ids", "shape": [spec["topk"]]}
+    return features
+
+
+class HiddenCapture:
+    """Runs the target's decoder stack and returns the wanted HF `hidden_states` entries.
+
+    Index 0 is the embedding output, index i (1..L-1) the output of decoder layer i-1, and index L
+    (= last_hidden) the final-norm output, as in HF `output_hidden_states`. Hooks keep only
+    the wanted layers alive instead of all L+1.
+    """
+
+    def __init__(self, model: Any, aux_layers: list[int]):
+        self.model = model
+        self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        self.depth = len(self.decoder.layers)
+        self.aux_layers = aux_layers
+        self._captured: dict[int, torch.Tensor] = {}
+        self._hooks = []
+        for idx in set(aux_layers):
+            if idx == 0:
+                module = self.decoder.embed_tokens
+            elif idx < self.depth:
+                module = self.decoder.layers[idx - 1]
+            else:
+                continue  # index L is the final-norm output, taken from the decoder's result
+            self._hooks.append(module.register_forward_hook(self._hook(idx)))
+
+    def _hook(self, idx: int):
+        def keep(_module, _inputs, output):
+            self._captured[idx] = output[0] if isinstance(output, tuple) else output
+        return keep
+
+    def __call__(self, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Right-padded ids [B, T] -> ([aux [B, T, H] ...], last [B, T, H]). No mask is needed:
+        with right padding and causal attention no real token ever sees a pad."""
+        self._captured.clear()
+        out = self.decoder(input_ids=input_ids, use_cache=False)
+        last = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        aux = [last if idx >= self.depth else self._captured[idx] for idx in self.aux_layers]
+        self._captured.clear()
+        return aux, last
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+
+def teacher_topk(model: Any, last: torch.Tensor, k: int, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k log-probabilities of the target's next-token distribution, computed in chunks."""
+    head = model.get_output_embeddings()
+    values, ids = [], []
+    for start in range(0, last.shape[0], chunk):
+        logits = head(last[start:start + chunk]).float()
+        top = logits.topk(k, dim=-1)
+        values.append((top.values - torch.logsumexp(logits, dim=-1, keepdim=True)).to(torch.float16))
+        ids.append(top.indices)
+    return torch.cat(values), torch.cat(ids)
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def plan_shards(lengths: np.ndarray, shard_tokens: int) -> list[np.ndarray]:
+    """Sample indices per shard: longest first, about `shard_tokens` tokens per shard."""
+    order = np.argsort(-lengths, kind="stable")
+    shards, start, total = [], 0, 0
+    for pos, idx in enumerate(order):
+        length = int(lengths[idx])
+        if pos > start and total + length > shard_tokens:
+            shards.append(order[start:pos])
+            start, total = pos, 0
+        total += length
+    if start < len(order):
+        shards.append(order[start:])
+    return shards
+
+
+def data_fingerprint(dataset) -> str:
+    """sha256 over the prepared tokens and masks (arrow buffers; seconds for billions of tokens)."""
+    if getattr(dataset, "_indices", None) is not None:
+        dataset = dataset.flatten_indices()
+    h = hashlib.sha256()
+    for column in ("input_ids", "loss_mask"):
+        for chunk in dataset.data.column(column).chunks:
+            h.update(np.asarray(chunk.offsets).astype(np.int64).tobytes() if len(chunk) else b"")
+            h.update(chunk.flatten().to_numpy(zero_copy_only=False).tobytes())
+    return h.hexdigest()[:20]
+
+
+def sample_lengths(dataset) -> np.ndarray:
+    import pyarrow.compute as pc
+
+    if getattr(dataset, "_indices", None) is not None:
+        dataset = dataset.flatten_indices()
+    if len(dataset) == 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.asarray(pc.list_value_length(dataset.data.column("input_ids")).to_numpy(zero_copy_only=False), dtype=np.int64)
+
+
+def check_plan(out_dir: Path, plan: dict, rank: int) -> None:
+    """Refuse to mix shards made with other data or settings into this dump."""
+    path = out_dir / PLAN
+    if path.is_file():
+        old = json.loads(path.read_text())
+        if old != plan:
+            changed = sorted(k for k in set(old) | set(plan) if old.get(k) != plan.get(k))
+            raise EyasError(
+                f"'{out_dir}' holds shards dumped with other data or settings (changed: {', '.join(changed)}); "
+                "delete that folder to dump again, or use another run.name"
+            )
+    elif rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, plan)
+
+
+# ----------------------------------------------------------------------------- one shard
+
+
+def pad_right(sequences: list[list[int]], pad_id: int = 0) -> torch.Tensor:
+    longest = max(len(s) for s in sequences)
+    out = torch.full((len(sequences), longest), pad_id, dtype=torch.long)
+    for b, seq in enumerate(sequences):
+        out[b, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+    return out
+
+
+def _encode_batch(spec: dict, aux: list[torch.Tensor], last: torch.Tensor, real: torch.Tensor,
+                  model: Any) -> dict[str, torch.Tensor]:
+    """Select real tokens (sample after sample) and encode them; returns CPU tensors."""
+    out: dict[str, torch.Tensor] = {}
+    for j, (feature, encoding) in enumerate(zip(aux, spec["aux_encodings"])):
+        for suffix, t in encode(feature[real], encoding).items():
+            out[f"aux_hidden.{j}{suffix}"] = t.cpu()
+    last_real = last[real]
+    if spec["last_hidden"]:
+        for suffix, t in encode(last_real, spec["last_encoding"]).items():
+            out[f"last_hidden{suffix}"] = t.cpu()
+    if spec["topk"]:
+        values, ids = teacher_topk(model, last_real, spec["topk"])
+        out["topk_values"], out["topk_ids"] = values.cpu(), ids.cpu()
+    return out
+
+
+def dump_shard(capture: HiddenCapture, dataset, indices: np.ndarray, spec: dict, token_budget: int,
+               vocab_size: int, device: Any, progress=None) -> dict[str, torch.Tensor]:
+    """Features of one shard's samples (in plan order), packed back to back."""
+    rows = dataset[[int(i) for i in indices]]
+    lengths = np.array([len(x) for x in rows["input_ids"]], dtype=np.int64)
+    parts: dict[str, list[torch.Tensor]] = {}
+    for batch in budget_batches(np.arange(len(indices)), lengths, token_budget):
+        ids = pad_right([rows["input_ids"][i] for i in batch]).to(device)
+        real = (torch.arange(ids.shape[1])[None, :] < torch.as_tensor(lengths[batch])[:, None]).to(device)
+        with torch.inference_mode():
+            aux, last = capture(ids)
+            encoded = _encode_batch(spec, aux, last, real, capture.model)
+        for key, t in encoded.items():
+            parts.setdefault(key, []).append(t)
+        if progress is not None:
+            progress.update(int(lengths[batch].sum()))
+    id_type = ids_dtype(vocab_size)
+    tensors = {key: torch.cat(ts) for key, ts in parts.items()}
+    if "topk_ids" in tensors:
+        tensors["topk_ids"] = tensors["topk_ids"].to(torch.int32).to(id_type)
+    tensors["input_ids"] = torch.as_tensor(np.concatenate(rows["input_ids"]), dtype=torch.int32).to(id_type)
+    tensors["loss_mask"] = torch.as_tensor(np.concatenate(rows["loss_mask"]), dtype=torch.uint8)
+    tensors["offsets"] = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)])).long()
+    tensors["sample_index"] = torch.from_numpy(indices.astype(np.int64))
+    return tensors
+
+
+# ----------------------------------------------------------------------------- one split
+
+
+def distributed_env() -> tuple[int, int, bool]:
+    """(rank, world_size, co_launched): co-launched ranks (torchrun/accelerate) can wait for each other."""
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if not 0 <= rank < world:
+        raise EyasError(f"RANK={rank} is outside WORLD_SIZE={world}; check the launcher's environment")
+    co_launched = "TORCHELASTIC_RUN_ID" in os.environ or "MASTER_ADDR" in os.environ
+    return rank, world, co_launched
+
+
+def dump_split(dataset, out_dir: Path, plan: dict, capture: HiddenCapture, spec: dict, dump_cfg: Any,
+               vocab_size: int, device: Any, rank: int, world: int, label: str) -> list[int]:
+    """Write this rank's missing or bad shards of one split; returns all shard indices of the split."""
+    from tqdm import tqdm
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    check_plan(out_dir, plan, rank)
+    lengths = sample_lengths(dataset)
+    shards = plan_shards(lengths, dump_cfg.shard_tokens)
+    mine = [i for i in range(len(shards)) if i % world == rank]
+    todo = []
+    for i in mine:
+        problem = check_shard(out_dir, i, full=True)
+        if problem:
+            if problem != "missing":
+                print(f"eyas dump: redoing {out_dir / shard_name(i)}: {problem}", flush=True)
+            todo.append(i)
+    pending_tokens = int(sum(lengths[shards[i]].sum() for i in todo))
+    done = len(mine) - len(todo)
+    if rank == 0:
+        print(f"eyas dump: {label}: {len(shards)} shards, {len(mine)} for this process "
+              f"({done} already done), {pending_tokens} tokens to run", flush=True)
+    progress = tqdm(total=pending_tokens, unit="tok", unit_scale=True, desc=f"dump {label}",
+                    disable=rank != 0 or not pending_tokens, dynamic_ncols=True)
+    metadata = {"schema_version": SCHEMA_VERSION, "plan": plan["fingerprint"]}
+    for i in todo:
+        tensors = dump_shard(capture, dataset, shards[i], spec, dump_cfg.token_budget, vocab_size, device, progress)
+        write_shard(out_dir, i, tensors, dict(metadata, shard=i))
+    progress.close()
+    return list(range(len(shards)))
+
+
+def finalize_split(out_dir: Path, num_shards: int, header: dict, wait: bool) -> dict | None:
+    """Rank 0: index + manifest once every shard exists (waiting for co-launched ranks)."""
+    sidecars = [out_dir / shard_name(i).replace(".safetensors", ".json") for i in range(num_shards)]
+    if wait:
+        wait_for(sidecars)
+    missing = [i for i in range(num_shards) if check_shard(out_dir, i, full=False)]
+    if missing:
+        print(f"eyas dump: {len(missing)} of {num_shards} shards in {out_dir} are written by other tasks; "
+              "run `eyas dump RECIPE` once more as a single process after they finish to write the manifest",
+              flush=True)
+        return None
+    records = [read_sidecar(out_dir, i) for i in range(num_shards)]
+    index = build_index(out_dir, records)
+    tokens = sum(r["num_tokens"] for r in records)
+    shard_bytes = sum(r["bytes"] for r in records)
+    manifest = dict(header)
+    manifest.update(
+        num_samples=sum(r["num_samples"] for r in records), num_tokens=tokens,
+        num_loss_tokens=sum(r["num_loss_tokens"] for r in records), bytes=shard_bytes,
+        bytes_per_token=shard_bytes / tokens if tokens else 0.0,
+        anchor_bytes_per_token=4 * header["hidden_size"] * 2,
+        shards=records, index=index,
+    )
+    manifest["ratio_to_anchor_layout"] = manifest["bytes_per_token"] / manifest["anchor_bytes_per_token"]
+    atomic_write_json(out_dir / MANIFEST, manifest)
+    return manifest
+
+
+# ----------------------------------------------------------------------------- the stage
+
+
+def dump(recipe: Any, model: Any = None, tokenizer: Any = None) -> dict | None:
+    """Run the stage; returns the train manifest (None on ranks/tasks that don't write it)."""
+    from eyas.config import check_against_target, save_resolved
+    from eyas.data.prepare import load_prepared, prepared_info, tokenizer_identity
+    from eyas.data.vocab import count_tokens, write_vocab
+    from eyas.targets import load_target, target_identity
+
+    rank, world, co_launched = distributed_env()
+    run_dir = recipe.run_dir
+    splits = {"train": load_prepared(run_dir, "train"), "heldout": load_prepared(run_dir, "heldout")}
+    if model is None:
+        model, tokenizer = load_target(recipe.target)
+    config = model.config
+    check_against_target(recipe, config)
+    info = prepared_info(run_dir)
+    if info.get("tokenizer_identity") != tokenizer_identity(tokenizer):
+        raise EyasError(f"the prepared data in '{run_dir / 'prepared'}' was tokenised with another tokenizer or chat "
+                        "template than the target's; rerun `eyas prepare RECIPE`")
+    device = next(model.parameters()).device
+    if device.type == "cpu" and world > 1 and co_launched:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    spec = feature_spec(recipe, config)
+    identity = target_identity(config, tokenizer)
+    hidden = int(config.hidden_size)
+    vocab_size = int(config.vocab_size)
+    header = {
+        "schema_version": SCHEMA_VERSION, "target_identity": identity, "target_path": recipe.target.path,
+        "model_type": config.model_type, "hidden_size": hidden, "num_hidden_layers": int(config.num_hidden_layers),
+        "vocab_size": vocab_size, "draft_kind": recipe.draft.kind, "layers": spec["aux_layers"],
+        "encoding": recipe.dump.encoding, "low_layer_encoding": recipe.dump.low_layer_encoding or recipe.dump.encoding,
+        "teacher": recipe.dump.teacher, "topk": spec["topk"], "features": manifest_features(spec, hidden),
+    }
+    capture = HiddenCapture(model, spec["aux_layers"])
+    root = run_dir / "shards"
+    outputs = {"train": root, "heldout": root / "heldout"}
+    counts = {}
+    try:
+        for split, dataset in splits.items():
+            settings = {k: header[k] for k in ("target_identity", "layers", "encoding", "low_layer_encoding",
+                                               "teacher", "topk", "draft_kind")}
+            settings.update(shard_tokens=recipe.dump.shard_tokens, token_budget=recipe.dump.token_budget)
+            plan = dict(settings, data=data_fingerprint(dataset), num_samples=len(dataset))
+            plan["fingerprint"] = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:20]
+            counts[split] = dump_split(dataset, outputs[split], plan, capture, spec, recipe.dump, vocab_size,
+                                       device, rank, world, split)
+    finally:
+        capture.close()
+    if rank != 0:
+        return None
+    manifests = {}
+    for split in ("heldout", "train"):  # train last: its manifest marks the whole dump as complete
+        if split == "train":
+            token_counts = count_tokens(splits["train"], vocab_size)
+            header["vocab"] = write_vocab(root, token_counts, recipe.dump.draft_vocab_size)
+        manifests[split] = finalize_split(outputs[split], len(counts[split]), header, wait=co_launched and world > 1)
+    save_resolved(recipe, root)
+    return manifests["train"]
+
+
+def _report(manifest: dict | None, root: Path) -> None:
+    if manifest is None:
+        return
+    print(f"eyas dump: {manifest['num_samples']} samples, {manifest['num_tokens']} tokens in "
+          f"{len(manifest['shards'])} shards, {manifest['bytes_per_token']:.0f} bytes/token "
+          f"({manifest['ratio_to_anchor_layout']:.3f} of the 4 x hidden x 2 layout); "
+          f"draft vocabulary {manifest['vocab']['draft_vocab_size']} tokens covering "
+          f"{100 * manifest['vocab']['coverage']:.1f}% of loss tokens; wrote {root}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from eyas.cli import guarded, stage_parser
+    from eyas.config import load_recipe
+
+    args = stage_parser("eyas dump", "run the frozen target and write hidden-state shards").parse_args(argv)
+
+    def body() -> int:
+        recipe = load_recipe(args.recipe, args.overrides)
+        _report(dump(recipe), recipe.run_dir / "shards")
+        return 0
+
+    return guarded(body, args.debug)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

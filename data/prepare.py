@@ -1,0 +1,357 @@
+"""`eyas prepare RECIPE`: chat data -> token ids + assistant-only loss masks.
+
+Every conversation is rendered with the target tokenizer's own chat template (the draft
+must see exactly what the target sees at serving time) and tokenised; the loss mask is 1
+on the tokens the assistant writes (its content and the end-of-turn token), 0 elsewhere.
+
+How the assistant tokens are found:
+- templates with `{% generation %}` markers: HF's `return_assistant_tokens_mask`;
+- any other template: render the conversation up to each assistant turn with the
+  generation prompt, and up to the end of that turn; the characters between the two
+  renders (trailing whitespace dropped) are the assistant's. Characters map to tokens
+  through the tokenizer's offsets, so the mask never depends on how a prefix tokenises;
+- templates whose renders are not prefixes of each other (some "thinking" templates
+  rewrite earlier turns) fall back to locating each turn's content in the full render.
+
+Rows that cannot be used are counted by reason, printed, and written to
+`run_dir/prepared/skipped.json`; nothing is dropped silently.
+
+Output: `run_dir/prepared/{train,heldout}` (`datasets` save_to_disk) with columns
+`id`, `input_ids`, `loss_mask`, `messages`; `load_prepared(run_dir, split)` reads them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from eyas.errors import EyasError
+
+from eyas.data.sources import Skips, load_rows, split_heldout
+
+SPLITS = ("train", "heldout")
+# Skip reasons (stable strings: they are the keys of skipped.json)
+EMPTY = "empty conversation"
+NO_ASSISTANT = "no assistant turn"
+TEMPLATE_ERROR = "template rejected the conversation"
+TOO_LONG = "longer than max_length"
+NOTHING_LEFT = "no assistant tokens within max_length"
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+def _render(tokenizer: Any, messages: list[dict], add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def has_generation_markers(template: str | None) -> bool:
+    """True when the template marks assistant text with `{% generation %}` blocks."""
+    import re
+
+    return bool(template) and re.search(r"{%-?\s*generation\s*-?%}", template) is not None
+
+
+def _prefix_spans(tokenizer: Any, messages: list[dict], text: str) -> list[tuple[int, int]] | None:
+    """Character spans of assistant turns from prefix renders; None if renders aren't prefixes."""
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+        through = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        if not (text.startswith(before) and text.startswith(through) and len(through) >= len(before)):
+            return None
+        if i == 0 and not through.startswith(before):
+            return None
+        start, end = len(before), len(through.rstrip())
+        if i == 0:  # no generation prompt to subtract: the turn starts where its content starts
+            found = through.find(message["content"].strip())
+            start = found if found >= 0 else end
+        spans.append((start, max(start, end)))
+    return spans
+
+
+def _end_of_turn(tokenizer: Any) -> str:
+    """The text a template writes after an assistant's content (e.g. `<|im_end|>`)."""
+    probe = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "probe-answer"}]
+    through = _render(tokenizer, probe, add_generation_prompt=False)
+    at = through.rfind("probe-answer")
+    return through[at + len("probe-answer"):].rstrip() if at >= 0 else ""
+
+
+def _search_spans(tokenizer: Any, messages: list[dict], text: str) -> list[tuple[int, int]]:
+    """Fallback: find each assistant content in order in the full render."""
+    suffix = _end_of_turn(tokenizer)
+    spans, cursor = [], 0
+    for message in messages:
+        content = message["content"].strip()
+        if message["role"] != "assistant" or not content:
+            continue
+        at = text.find(content, cursor)
+        if at < 0:
+            continue  # the template dropped or rewrote this turn (e.g. a stripped thought)
+        end = at + len(content)
+        if suffix and text.startswith(suffix, end):
+            end += len(suffix)
+        spans.append((at, end))
+        cursor = end
+    return spans
+
+
+def _mask_from_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
+    """1 for each token whose characters overlap an assistant span."""
+    mask = [0] * len(offsets)
+    span_i = 0
+    for t, (s, e) in enumerate(offsets):
+        while span_i < len(spans) and spans[span_i][1] <= s:
+            span_i += 1
+        if span_i < len(spans) and s < spans[span_i][1] and e > spans[span_i][0]:
+            mask[t] = 1
+    return mask
+
+
+def tokenize_conversation(tokenizer: Any, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) of one conversation under the tokenizer's chat template."""
+    if has_generation_markers(tokenizer.chat_template):
+        out = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        return list(out["input_ids"]), [int(m) for m in out["assistant_masks"]]
+    text = _render(tokenizer, messages, add_generation_prompt=False)
+    spans = _prefix_spans(tokenizer, messages, text)
+    if spans is None:
+        spans = _search_spans(tokenizer, messages, text)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return list(enc["input_ids"]), _mask_from_spans(enc["offset_mapping"], spans)
+
+
+def tokenize_text(tokenizer: Any, text: str) -> tuple[list[int], list[int]]:
+    """Plain text rows: the tokenizer's own special tokens, loss on every token."""
+    ids = list(tokenizer(text)["input_ids"])
+    return ids, [1] * len(ids)
+
+
+# ----------------------------------------------------------------------------- one row
+
+
+def normalise_messages(messages: list[dict], system_prompt: str) -> list[dict]:
+    """Drop empty turns and turns after the last assistant turn; add the default system prompt."""
+    kept = [{"role": m["role"], "content": m["content"]} for m in messages if m["content"].strip()]
+    last_assistant = max((i for i, m in enumerate(kept) if m["role"] == "assistant"), default=-1)
+    kept = kept[: last_assistant + 1] if last_assistant >= 0 else kept
+    if system_prompt and kept and kept[0]["role"] != "system":
+        kept.insert(0, {"role": "system", "content": system_prompt})
+    return kept
+
+
+def fit_length(ids: list[int], mask: list[int], max_length: int, overflow: str) -> tuple[list, list, str]:
+    """Apply the max_length policy; returns (ids, mask, skip reason or '')."""
+    if len(ids) > max_length:
+        if overflow == "drop":
+            return ids, mask, TOO_LONG
+        ids, mask = ids[:max_length], mask[:max_length]
+    if not any(mask):
+        return ids, mask, NOTHING_LEFT
+    return ids, mask, ""
+
+
+def prepare_row(row: dict, tokenizer: Any, max_length: int, overflow: str, system_prompt: str) -> dict:
+    """One row -> {id, input_ids, loss_mask, messages, skip, detail}; never raises for bad data."""
+    out = {"id": row["id"], "input_ids": [], "loss_mask": [], "messages": [], "skip": "", "detail": ""}
+    if row.get("text"):
+        ids, mask = tokenize_text(tokenizer, row["text"])
+    else:
+        messages = normalise_messages(row.get("messages") or [], system_prompt)
+        out["messages"] = messages
+        if not any(m["role"] != "system" for m in messages):
+            out["skip"] = EMPTY
+            return out
+        if not any(m["role"] == "assistant" for m in messages):
+            out["skip"] = NO_ASSISTANT
+            return out
+        try:
+            ids, mask = tokenize_conversation(tokenizer, messages)
+        except Exception as exc:  # jinja's raise_exception, undefined fields, ...: the template's verdict
+            out["skip"], out["detail"] = TEMPLATE_ERROR, f"{type(exc).__name__}: {exc}"
+            return out
+    ids, mask, reason = fit_length(ids, mask, max_length, overflow)
+    out.update(input_ids=ids, loss_mask=mask, skip=reason, detail=f"{len(ids)} tokens" if reason else "")
+    return out
+
+
+def _prepare_batch(batch: dict, tokenizer: Any, max_length: int, overflow: str, system_prompt: str) -> dict:
+    rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+    results = [prepare_row(r, tokenizer, max_length, overflow, system_prompt) for r in rows]
+    return {key: [r[key] for r in results] for key in results[0]}
+
+
+# ----------------------------------------------------------------------------- datasets
+
+
+def _features():
+    from datasets import Features, Sequence, Value
+
+    message = {"role": Value("string"), "content": Value("string")}
+    return Features({
+        "id": Value("string"), "input_ids": Sequence(Value("int32")), "loss_mask": Sequence(Value("int8")),
+        "messages": [message], "skip": Value("string"), "detail": Value("string"),
+    })
+
+
+def _fingerprint(rows: list[dict], tokenizer: Any, settings: dict) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps(settings, sort_keys=True).encode())
+    h.update((tokenizer.chat_template or "").encode())
+    h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    for row in rows:
+        h.update(json.dumps(row, sort_keys=True).encode())
+    return h.hexdigest()[:20]
+
+
+def tokenize_rows(rows: list[dict], tokenizer: Any, data_cfg: Any, cache_dir: Path | None = None):
+    """Rows -> a Dataset with input_ids/loss_mask (+ skip/detail columns), via datasets.map."""
+    from datasets import Dataset
+
+    uniform = [{"id": r["id"], "text": r.get("text", ""), "messages": r.get("messages", [])} for r in rows]
+    ds = Dataset.from_list(uniform)
+    settings = {"max_length": data_cfg.max_length, "overflow": data_cfg.overflow, "system_prompt": data_cfg.system_prompt}
+    cache_file = None
+    if cache_dir is not None:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        cache_file = str(cache_dir / f"tokenized-{_fingerprint(uniform, tokenizer, settings)}.arrow")
+    return ds.map(
+        _prepare_batch, batched=True, batch_size=256, num_proc=data_cfg.num_proc if len(ds) > 1 else None,
+        fn_kwargs=dict(tokenizer=tokenizer, **settings), remove_columns=ds.column_names,
+        features=_features(), cache_file_name=cache_file, load_from_cache_file=cache_file is not None,
+        desc="tokenising",
+    )
+
+
+def count_skips(ds, skips: Skips, split: str):
+    """Move skipped rows out of `ds` into `skips` (with the split name in the example)."""
+    reasons = ds["skip"]
+    skipped = [i for i, r in enumerate(reasons) if r]
+    if skipped:
+        sub = ds.select(skipped).select_columns(["id", "skip", "detail"])
+        for row in sub:
+            skips.add(row["skip"], row["id"], f"{split}: {row['detail']}".rstrip(": "))
+    kept = ds.filter(lambda r: not r, input_columns=["skip"]) if skipped else ds
+    return kept.remove_columns(["skip", "detail"])
+
+
+def _save_dataset(ds, out: Path) -> None:
+    """save_to_disk into a temporary folder, then rename: a killed prepare leaves no half split."""
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    ds.save_to_disk(str(tmp))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+
+
+def write_skips(skips: Skips, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"total": skips.total, "counts": dict(skips.counts.most_common()), "examples": skips.examples}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=2))
+    tmp.replace(path)
+
+
+def tokenizer_identity(tokenizer: Any) -> str:
+    """Hash of vocabulary + chat template: dump refuses prepared data from another tokenizer."""
+    h = hashlib.sha256()
+    h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update((tokenizer.chat_template or "").encode())
+    return h.hexdigest()[:16]
+
+
+def load_prepared(run_dir: str | Path, split: str = "train"):
+    """The prepared split as a `datasets.Dataset` (columns id, input_ids, loss_mask, messages)."""
+    from datasets import load_from_disk
+
+    if split not in SPLITS:
+        raise EyasError(f"unknown prepared split '{split}'; choose one of: {', '.join(SPLITS)}")
+    path = Path(run_dir) / "prepared" / split
+    if not (path / "dataset_info.json").is_file():
+        raise EyasError(f"no prepared data at '{path}'; run `eyas prepare RECIPE` first")
+    return load_from_disk(str(path))
+
+
+def prepared_info(run_dir: str | Path) -> dict:
+    path = Path(run_dir) / "prepared" / "info.json"
+    if not path.is_file():
+        raise EyasError(f"'{path}' is missing; run `eyas prepare RECIPE` first")
+    return json.loads(path.read_text())
+
+
+# ----------------------------------------------------------------------------- the stage
+
+
+def prepare(recipe: Any, tokenizer: Any = None, model: Any = None) -> dict:
+    """Run the whole stage for a recipe; returns the info dict written to prepared/info.json."""
+    from eyas.config import save_resolved
+    from eyas.targets import load_tokenizer
+
+    out_dir = recipe.run_dir / "prepared"
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(recipe.target)
+    if not getattr(tokenizer, "is_fast", False):
+        raise EyasError("prepare needs a fast tokenizer (offset mappings); the target's tokenizer is a slow one")
+    rows, skips = load_rows(recipe.data.source, recipe.data.format, recipe.data.max_samples)
+    train_rows, heldout_rows = split_heldout(rows, recipe.data.heldout_fraction, recipe.run.seed)
+    if recipe.data.regenerate:
+        from eyas.data.regenerate import regenerate_rows
+
+        train_rows = regenerate_rows(train_rows, recipe, tokenizer, model=model)
+        heldout_rows = regenerate_rows(heldout_rows, recipe, tokenizer, model=model)
+    info = {"source": recipe.data.source, "tokenizer_identity": tokenizer_identity(tokenizer),
+            "target_path": recipe.target.path, "regenerated": bool(recipe.data.regenerate), "splits": {}}
+    for split, split_rows in (("train", train_rows), ("heldout", heldout_rows)):
+        if not split_rows:
+            ds = tokenize_rows([{"id": "_", "messages": []}], tokenizer, recipe.data).select([])
+        else:
+            ds = tokenize_rows(split_rows, tokenizer, recipe.data, cache_dir=out_dir / ".cache")
+        ds = count_skips(ds, skips, split)
+        _save_dataset(ds, out_dir / split)
+        tokens = sum(len(x) for x in ds["input_ids"]) if len(ds) else 0
+        loss_tokens = sum(sum(m) for m in ds["loss_mask"]) if len(ds) else 0
+        info["splits"][split] = {"samples": len(ds), "tokens": tokens, "loss_tokens": loss_tokens}
+    info["skipped"] = dict(skips.counts.most_common())
+    write_skips(skips, out_dir / "skipped.json")
+    (out_dir / "info.json").write_text(json.dumps(info, indent=2))
+    save_resolved(recipe, out_dir)
+    return info
+
+
+def _report(info: dict, out_dir: Path) -> None:
+    for split, s in info["splits"].items():
+        print(f"eyas prepare: {split}: {s['samples']} samples, {s['tokens']} tokens ({s['loss_tokens']} under the loss mask)")
+    skipped = info["skipped"]
+    if skipped:
+        listed = ", ".join(f"{n} {reason}" for reason, n in skipped.items())
+        print(f"eyas prepare: skipped {sum(skipped.values())} rows: {listed} (listed in {out_dir / 'skipped.json'})")
+    else:
+        print("eyas prepare: no rows skipped")
+    print(f"eyas prepare: wrote {out_dir}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from eyas.cli import guarded, stage_parser
+    from eyas.config import load_recipe
+
+    args = stage_parser("eyas prepare", "render chat data with the target's template and build loss masks").parse_args(argv)
+
+    def body() -> int:
+        recipe = load_recipe(args.recipe, args.overrides)
+        info = prepare(recipe)
+        _report(info, recipe.run_dir / "prepared")
+        return 0
+
+    return guarded(body, args.debug)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
