@@ -1,0 +1,220 @@
+"""The speculative decoder: a draft proposes a token tree, the target verifies it in one forward.
+
+One round (batch size 1):
+  1. the draft builds a tree under the root (the last chosen token) — `tree.build_tree`;
+  2. the target runs [root, tree nodes] once, with the tree attention mask and each node's
+     position = root position + depth; its KV cache then holds the prefix + every tree node;
+  3. `verify` walks the tree (greedy match at T=0, recursive rejection sampling at T>0) and
+     returns the accepted path and the bonus token the target chose after it;
+  4. the target's cache keeps the root and the accepted path (moved next to the prefix, the
+     rejected branches sliced off; nothing is recomputed) and the draft commits the same path.
+The output is the target's greedy decode at T=0 and is distributed as the target's sampling at
+T>0 (see `verify` for why).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from eyas.errors import EyasError
+from eyas.eval.kv import cache_kwarg, check_attention, keep_positions, new_cache, tree_mask
+from eyas.eval.tree import Shape, build_tree
+from eyas.eval.verify import SamplingParams, process_logits, sample, verify_greedy, verify_sampled
+
+
+@dataclass
+class DecodeResult:
+    """One prompt's decode: the tokens and what each verify round accepted."""
+
+    tokens: list[int]
+    accepted: list[int] = field(default_factory=list)     # per verify: accepted draft tokens
+    attempts: list[int] = field(default_factory=list)     # per depth d (index d-1): rounds that tried depth d
+    accepts: list[int] = field(default_factory=list)      # per depth d: rounds that accepted depth d
+    tree_sizes: list[int] = field(default_factory=list)   # draft tokens verified per round
+    draft_s: float = 0.0
+    target_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accepted)
+
+
+def eos_ids_of(model, tokenizer=None) -> list[int]:
+    """The target's stop tokens: its generation config's eos ids, else the tokenizer's."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def max_context(model) -> int:
+    return int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
+
+
+class _Clock:
+    """Accumulates seconds per bucket; synchronises CUDA so kernel time lands where it belongs."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.seconds = {"draft": 0.0, "target": 0.0}
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def timed(self, bucket: str, fn):
+        def run(*args, **kwargs):
+            start = self.now()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[bucket] += self.now() - start
+        return run
+
+
+class SpeculativeDecoder:
+    """Target + draft + shape + sampling settings -> `generate(prompt_ids, max_new_tokens)`."""
+
+    def __init__(self, target, draft, shape: Shape, params: SamplingParams,
+                 eos_token_ids: list[int] | None = None, seed: int = 0):
+        check_attention(target)
+        if int(draft.vocab_size) != int(target.config.vocab_size):
+            raise EyasError(f"draft '{draft.name}' returns {draft.vocab_size} logits but the target's vocabulary "
+                            f"has {target.config.vocab_size} tokens: the draft was made for another target")
+        self.target = target
+        self.draft = draft
+        self.shape = shape
+        self.params = params
+        self.eos = set(eos_token_ids if eos_token_ids is not None else eos_ids_of(target))
+        self.device = target.device
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        self._cache_kw = cache_kwarg(target)
+        self.feature_layers = getattr(draft, "feature_layers", None)
+
+    # -- target --------------------------------------------------------------------------------
+
+    def _target_forward(self, cache, ids: list[int], positions: list[int], mask):
+        out = self.target(
+            input_ids=torch.tensor([ids], device=self.device),
+            position_ids=torch.tensor([positions], device=self.device),
+            attention_mask=mask, use_cache=True, output_hidden_states=self.feature_layers is not None,
+            **{self._cache_kw: cache},
+        )
+        features = None
+        if self.feature_layers is not None:
+            features = torch.cat([out.hidden_states[i][0] for i in self.feature_layers], dim=-1)
+        return out.logits[0], features
+
+    def _choose(self, logits: torch.Tensor) -> int:
+        if self.params.greedy:
+            return int(logits.argmax())
+        return sample(process_logits(logits, self.params), self.generator)
+
+    # -- decoding ------------------------------------------------------------------------------
+
+    def check_prompt(self, prompt_len: int, max_new_tokens: int) -> None:
+        """EyasError when prompt + generation + one verify tree cannot fit the target's context."""
+        need = prompt_len + max_new_tokens + self.shape.max_nodes + 1
+        if need > max_context(self.target):
+            raise EyasError(f"prompt of {prompt_len} tokens + {max_new_tokens} new + a {self.shape.max_nodes}-node "
+                            f"tree exceeds the target's context of {max_context(self.target)} tokens")
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids, max_new_tokens: int) -> DecodeResult:
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
+        self.check_prompt(len(prompt), max_new_tokens)
+        clock = _Clock(self.device)
+        target_forward = clock.timed("target", self._target_forward)
+        start, expand, commit = (clock.timed("draft", f) for f in (self.draft.start, self.draft.expand, self.draft.commit))
+        begin = clock.now()
+        result = DecodeResult(tokens=[])
+
+        cache = new_cache()
+        prefix = len(prompt)
+        logits, features = target_forward(cache, prompt.tolist(), list(range(prefix)), None)
+        root = self._choose(logits[-1])
+        result.tokens.append(root)
+        if root not in self.eos and max_new_tokens > 1:
+            root_logits = start(prompt.to(self.device), root, features)
+            while True:
+                kept, accepted, bonus, features = self._round(cache, prefix, root, root_logits, expand,
+                                                              target_forward, result)
+                result.tokens += accepted + [bonus]
+                prefix += 1 + len(accepted)
+                if len(result.tokens) >= max_new_tokens or self.eos.intersection(accepted + [bonus]):
+                    break
+                root_logits = commit(kept, accepted, bonus, features)
+                root = bonus
+        result.tokens = _cut(result.tokens, self.eos, max_new_tokens)
+        result.total_s = clock.now() - begin
+        result.draft_s, result.target_s = clock.seconds["draft"], clock.seconds["target"]
+        return result
+
+    def _round(self, cache, prefix: int, root: int, root_logits, expand, target_forward, result: DecodeResult):
+        """Draft, verify, prune. Returns (kept draft ids, accepted tokens, bonus, features for the commit)."""
+        tree = build_tree(self.shape, root, root_logits, expand, self.params, self.generator)
+        positions = [prefix + d for d in tree.depths]
+        mask = tree_mask(prefix, tree.ancestor_mask(), self.target.dtype, self.device)
+        logits, features = target_forward(cache, tree.tokens, positions, mask)
+        if self.params.greedy:
+            path, bonus = verify_greedy(tree.children, tree.tokens, logits.argmax(-1).tolist())
+        else:
+            probs = process_logits(logits, self.params)
+            path, bonus = verify_sampled(tree.children, tree.tokens, probs, tree.child_q, self.generator)
+        keep_positions(cache, prefix, [0] + path)  # root + accepted path; rejected branches dropped
+        _count(result, tree, path)
+        kept = []
+        for node in path:  # the draft ran a prefix of the path (a leaf it never expanded ends it)
+            if tree.draft_ids[node] < 0:
+                break
+            kept.append(tree.draft_ids[node])
+        commit_features = features[[0] + path] if features is not None else None
+        return kept, tree.path_tokens(path), bonus, commit_features
+
+
+def _count(result: DecodeResult, tree, path: list[int]) -> None:
+    """Per-depth attempts/accepts: depth d is tried when the accepted node at d-1 has children."""
+    result.accepted.append(len(path))
+    result.tree_sizes.append(len(tree) - 1)
+    on_path = [0] + path
+    for depth in range(1, len(path) + 2):
+        if depth - 1 >= len(on_path) or not tree.children[on_path[depth - 1]]:
+            break
+        while len(result.attempts) < depth:
+            result.attempts.append(0)
+            result.accepts.append(0)
+        result.attempts[depth - 1] += 1
+        if depth <= len(path):
+            result.accepts[depth - 1] += 1
+
+
+def _cut(tokens: list[int], eos: set[int], limit: int) -> list[int]:
+    """Stop after the first end-of-sequence token and at `limit` tokens, like HF generate."""
+    for i, token in enumerate(tokens[:limit]):
+        if token in eos:
+            return tokens[: i + 1]
+    return tokens[:limit]
+
+
+@torch.inference_mode()
+def target_generate(target, prompt_ids, max_new_tokens: int, params: SamplingParams,
+                    eos_token_ids: list[int], seed: int = 0) -> list[int]:
+    """The target alone through HF `generate` with its KV cache (the baseline and the reference)."""
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()[None].to(target.device)
+    kwargs = dict(max_new_tokens=max_new_tokens, eos_token_id=eos_token_ids or None,
+                  pad_token_id=(eos_token_ids or [0])[0], attention_mask=torch.ones_like(prompt))
+    if params.greedy:
+        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    else:
+        torch.manual_seed(seed)
+        kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None)
+    out = target.generate(prompt, **kwargs)
+    return _cut(out[0, prompt.shape[1]:].tolist(), set(eos_token_ids), max_new_tokens)

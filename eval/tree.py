@@ -1,0 +1,281 @@
+"""Draft shapes and the token tree the target verifies in one forward.
+
+Shapes (`parse_shape`):
+  chain:K                              K draft tokens in a line.
+  tree:[[0],[1],[0,0],[0,1],[1,0]]     a static tree: each path lists child ranks from the root
+                                       (rank r = the r-th best draft token at T=0, the r-th draw
+                                       without replacement at T>0); every prefix of a path must be
+                                       listed and sibling ranks must run 0, 1, 2, ... without gaps.
+  dynamic:depth=D,topk=K,nodes=N       EAGLE-2: expand the top-K children of the K best nodes (by
+                                       cumulative draft log-prob) for D levels, then keep the best N.
+
+A built tree is held as flat lists in verify order: index 0 is the root (the last token
+already chosen, whose target KV is not cached yet), nodes 1..n follow with every parent
+before its children, so `tokens` is exactly the target's input for the verify forward.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from eyas.errors import EyasError
+from eyas.eval.verify import SamplingParams, draw_candidates, process_logits
+
+SHAPE_HELP = "use chain:K, tree:[[0],[1],[0,0],...] or dynamic:depth=D,topk=K,nodes=N"
+
+
+@dataclass(frozen=True)
+class Shape:
+    kind: str                      # chain | tree | dynamic
+    spec: str                      # the text the user gave (labels in tables and plots)
+    depth: int
+    paths: tuple = ()              # static tree: sorted tuple of rank tuples
+    topk: int = 0                  # dynamic
+    nodes: int = 0                 # dynamic
+
+    @property
+    def max_nodes(self) -> int:
+        """Largest number of draft tokens a verify can carry (for context-length checks)."""
+        if self.kind == "chain":
+            return self.depth
+        if self.kind == "tree":
+            return len(self.paths)
+        return self.nodes
+
+
+def parse_shape(spec: str) -> Shape:
+    """Parse a shape string; EyasError (one line) on anything malformed."""
+    if not isinstance(spec, str) or ":" not in spec:
+        raise EyasError(f"unknown draft shape {spec!r}; {SHAPE_HELP}")
+    kind, _, body = spec.partition(":")
+    kind = kind.strip()
+    if kind == "chain":
+        k = _positive_int(body, spec, "K")
+        return Shape("chain", spec, depth=k)
+    if kind == "tree":
+        return _parse_static(spec, body)
+    if kind == "dynamic":
+        return _parse_dynamic(spec, body)
+    raise EyasError(f"unknown draft shape {spec!r}; {SHAPE_HELP}")
+
+
+def _positive_int(text: str, spec: str, what: str) -> int:
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise EyasError(f"draft shape {spec!r}: {what} must be a positive integer; {SHAPE_HELP}") from None
+    if value < 1:
+        raise EyasError(f"draft shape {spec!r}: {what} must be >= 1; {SHAPE_HELP}")
+    return value
+
+
+def _parse_static(spec: str, body: str) -> Shape:
+    try:
+        raw = json.loads(body)
+    except json.JSONDecodeError:
+        raise EyasError(f"draft shape {spec!r}: the tree is not a JSON list of paths; {SHAPE_HELP}") from None
+    if not isinstance(raw, list) or not raw or not all(
+        isinstance(p, list) and p and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in p)
+        for p in raw
+    ):
+        raise EyasError(f"draft shape {spec!r}: give a non-empty list of non-empty lists of ranks >= 0; {SHAPE_HELP}")
+    paths = sorted({tuple(p) for p in raw}, key=lambda p: (len(p), p))
+    present = set(paths)
+    for path in paths:
+        if len(path) > 1 and path[:-1] not in present:
+            raise EyasError(f"draft shape {spec!r}: path {list(path)} has no parent {list(path[:-1])} in the tree")
+        if path[-1] > 0 and path[:-1] + (path[-1] - 1,) not in present:
+            raise EyasError(f"draft shape {spec!r}: path {list(path)} needs its elder sibling "
+                            f"{list(path[:-1] + (path[-1] - 1,))} (sibling ranks must run 0, 1, 2, ...)")
+    return Shape("tree", spec, depth=max(len(p) for p in paths), paths=tuple(paths))
+
+
+def _parse_dynamic(spec: str, body: str) -> Shape:
+    values: dict[str, int] = {}
+    for part in body.split(","):
+        key, sep, text = part.partition("=")
+        key = key.strip()
+        if not sep or key not in ("depth", "topk", "nodes"):
+            raise EyasError(f"draft shape {spec!r}: expected depth=D,topk=K,nodes=N; {SHAPE_HELP}")
+        values[key] = _positive_int(text, spec, key)
+    missing = {"depth", "topk", "nodes"} - set(values)
+    if missing:
+        raise EyasError(f"draft shape {spec!r}: missing {', '.join(sorted(missing))}; {SHAPE_HELP}")
+    return Shape("dynamic", spec, depth=values["depth"], topk=values["topk"], nodes=values["nodes"])
+
+
+# --------------------------------------------------------------------------------------------
+# The built tree
+
+
+@dataclass
+class Tree:
+    """A token tree in verify order (index 0 = root)."""
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    draft_ids: list[int]                     # the draft's id for nodes it ran forward (-1: not run)
+    children: list[list[int]]                # per index, children in the order they are tried
+    child_q: dict[int, torch.Tensor | None] = field(default_factory=dict)  # per parent: q of its children
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, parent: int, token: int) -> int:
+        index = len(self.tokens)
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(self.depths[parent] + 1)
+        self.draft_ids.append(-1)
+        self.children.append([])
+        self.children[parent].append(index)
+        return index
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """Bool [n+1, n+1]: row i is True at i and at each of its ancestors."""
+        n = len(self.tokens)
+        rows = [0] * n
+        for i in range(n):
+            parent = self.parents[i]
+            rows[i] = (rows[parent] if parent >= 0 else 0) | (1 << i)
+        bits = torch.tensor([[(r >> j) & 1 for j in range(n)] for r in rows], dtype=torch.bool)
+        return bits
+
+    def path_tokens(self, path: list[int]) -> list[int]:
+        return [self.tokens[i] for i in path]
+
+
+def new_tree(root: int) -> Tree:
+    return Tree(tokens=[root], parents=[-1], depths=[0], draft_ids=[-2], children=[[]])
+
+
+Expand = Callable[[list[int], list[int]], torch.Tensor]
+"""expand(parent draft ids (-1 = root), tokens) -> draft logits [n, V] for the new nodes' children."""
+
+
+class _Expander:
+    """Runs the draft on tree nodes, keeping track of the draft's own node ids."""
+
+    def __init__(self, expand: Expand, tree: Tree):
+        self.expand = expand
+        self.tree = tree
+        self.next_id = 0
+
+    def run(self, nodes: list[int]) -> torch.Tensor:
+        tree = self.tree
+        parents = [tree.draft_ids[tree.parents[i]] if tree.parents[i] > 0 else -1 for i in nodes]
+        logits = self.expand(parents, [tree.tokens[i] for i in nodes])
+        for i in nodes:
+            tree.draft_ids[i] = self.next_id
+            self.next_id += 1
+        return logits
+
+
+def build_tree(shape: Shape, root: int, root_logits: torch.Tensor, expand: Expand,
+               params: SamplingParams, generator: torch.Generator | None) -> Tree:
+    """Draft a tree of the given shape under `root` (root_logits: the draft's logits for its children)."""
+    tree = new_tree(root)
+    expander = _Expander(expand, tree)
+    if shape.kind == "chain":
+        _build_chain(tree, shape, root_logits, expander, params, generator)
+    elif shape.kind == "tree":
+        _build_static(tree, shape, root_logits, expander, params, generator)
+    else:
+        _build_dynamic(tree, shape, root_logits, expander, params)
+    return tree
+
+
+def _build_chain(tree: Tree, shape: Shape, logits: torch.Tensor, expander: _Expander,
+                 params: SamplingParams, generator) -> None:
+    parent = 0
+    for depth in range(1, shape.depth + 1):
+        tokens, q = draw_candidates(logits, 1, params, generator)
+        node = tree.add(parent, tokens[0])
+        tree.child_q[parent] = q
+        if depth < shape.depth:
+            logits = expander.run([node])[0]
+        parent = node
+
+
+def _build_static(tree: Tree, shape: Shape, root_logits: torch.Tensor, expander: _Expander,
+                  params: SamplingParams, generator) -> None:
+    # children count per path prefix, and which prefixes have children (need a draft forward)
+    fanout: dict[tuple, int] = {}
+    for path in shape.paths:
+        fanout[path[:-1]] = max(fanout.get(path[:-1], 0), path[-1] + 1)
+    index_of: dict[tuple, int] = {(): 0}
+    logits_of: dict[tuple, torch.Tensor] = {(): root_logits}
+    for depth in range(1, shape.depth + 1):
+        level = [prefix for prefix in fanout if len(prefix) == depth - 1 and prefix in index_of]
+        created: list[tuple] = []
+        for prefix in sorted(level):
+            parent = index_of[prefix]
+            tokens, q = draw_candidates(logits_of.pop(prefix), fanout[prefix], params, generator)
+            tree.child_q[parent] = q
+            for rank, token in enumerate(tokens):
+                path = prefix + (rank,)
+                index_of[path] = tree.add(parent, token)
+                created.append(path)
+        to_expand = [path for path in created if path in fanout]
+        if to_expand:
+            logits = expander.run([index_of[p] for p in to_expand])
+            for path, row in zip(to_expand, logits):
+                logits_of[path] = row
+
+
+def _scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Draft log-probabilities used to rank dynamic-tree nodes (T=0 ranks with T=1 probabilities)."""
+    if params.greedy:
+        return logits.float().log_softmax(-1)
+    return process_logits(logits, params).log()
+
+
+def _build_dynamic(tree: Tree, shape: Shape, root_logits: torch.Tensor, expander: _Expander,
+                   params: SamplingParams) -> None:
+    """EAGLE-2: beam of the top-k nodes by cumulative log-prob, rerank all candidates, keep N."""
+    k = shape.topk
+    # candidate pool: (score, depth, order, parent_candidate, token); the root is candidate -1
+    pool: list[tuple[float, int, int, int, int]] = []
+
+    def add_children(parent_cand: int, parent_score: float, depth: int, logits: torch.Tensor) -> list[int]:
+        logp = _scores(logits, params)
+        top = logp.topk(min(k, logp.shape[-1]))
+        made = []
+        for value, token in zip(top.values.tolist(), top.indices.tolist()):
+            if value == float("-inf"):
+                break  # filtered out by top-k/top-p: never a useful candidate
+            pool.append((parent_score + value, depth, len(pool), parent_cand, token))
+            made.append(len(pool) - 1)
+        return made
+
+    frontier = add_children(-1, 0.0, 1, root_logits)
+    draft_nodes: dict[int, int] = {}  # candidate -> the draft's id for it
+    next_id = 0
+    for depth in range(2, shape.depth + 1):
+        frontier = sorted(frontier, key=lambda c: (-pool[c][0], pool[c][2]))[:k]
+        if not frontier:
+            break
+        parents = [draft_nodes[pool[c][3]] if pool[c][3] >= 0 else -1 for c in frontier]
+        logits = expander.expand(parents, [pool[c][4] for c in frontier])
+        for c in frontier:
+            draft_nodes[c] = next_id
+            next_id += 1
+        new = []
+        for c, row in zip(frontier, logits):
+            new += add_children(c, pool[c][0], depth, row)
+        frontier = new
+    # rerank: best N by score; ties go to the shallower (so a parent always precedes its child)
+    chosen = sorted(range(len(pool)), key=lambda c: (-pool[c][0], pool[c][1], pool[c][2]))[: shape.nodes]
+    index_of: dict[int, int] = {-1: 0}
+    for c in sorted(chosen, key=lambda c: (pool[c][1], pool[c][2])):
+        index_of[c] = tree.add(index_of[pool[c][3]], pool[c][4])
+        if c in draft_nodes:
+            tree.draft_ids[index_of[c]] = draft_nodes[c]
+    # candidates are deterministic given the draft: verify with point-mass proposals (delta mode);
+    # children were added per parent in descending score, the order they are tried in
+    tree.child_q = {i: None for i in range(len(tree))}
