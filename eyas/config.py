@@ -155,6 +155,8 @@ class EvalConfig:
 class ExportConfig:
     to: str = _doc("Serving engine format: sglang or vllm.", "sglang")
     checkpoint: str = _doc("Checkpoint to export (empty: the run's best).", "")
+    dtype: str = _doc("Exported weights dtype: bfloat16, float16 or float32.", "bfloat16")
+    num_speculative_tokens: int = _doc("Draft steps written into the export's config (0: train.ttt_steps).", 0)
 
 
 @dataclass
@@ -191,6 +193,7 @@ CHOICES = {
     "train.mixed_precision": ("no", "bf16", "fp16"),
     "train.logger": ("none", "wandb", "tensorboard"),
     "export.to": ("sglang", "vllm"),
+    "export.dtype": ("bfloat16", "float16", "float32"),
 }
 LOSS_NAMES = ("forward_kl", "ce", "tv", "jsd")
 
@@ -202,7 +205,7 @@ _POSITIVE = ["train.lr", "train.token_budget", "train.grad_accum", "train.ttt_st
 _NON_NEGATIVE = ["train.max_steps", "train.warmup_steps", "train.weight_decay", "train.max_grad_norm",
                  "train.eval_every", "train.save_every", "train.feature_loss_weight", "data.max_samples",
                  "data.regenerate_temperature", "dump.draft_vocab_size", "draft.intermediate_size",
-                 "eval.max_prompts", "eval.temperature", "eval.top_k"]
+                 "eval.max_prompts", "eval.temperature", "eval.top_k", "export.num_speculative_tokens"]
 _UNIT_INTERVAL = {"data.heldout_fraction": (0.0, 1.0, "closed-open"), "train.min_lr_ratio": (0.0, 1.0, "closed"),
                   "train.ttt_decay": (0.0, 1.0, "open-closed"), "eval.top_p": (0.0, 1.0, "open-closed")}
 
