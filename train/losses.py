@@ -1,0 +1,148 @@
+"""Distillation losses and the teacher distribution.
+
+The teacher is the target's own next-token distribution, recomputed at train time from
+the stored `last_hidden` (the input of the target's lm_head) through the frozen lm_head,
+in chunks of `train.teacher_chunk` positions and only over the draft vocabulary when one
+is used (its softmax renormalised over those rows, as SpecForge does). The full-vocab fp32
+teacher of a whole batch is never materialised. When the dump kept the teacher's top-k
+instead (`dump.teacher: topk`), the teacher is the softmax over those k entries.
+
+Per-position losses over the draft vocabulary, p = teacher, q = draft:
+  forward_kl  sum p (log p - log q)                       (the default; KL(p || q))
+  ce          -log q[label], label = the data's next token (0 where it is not in the draft vocab)
+  tv          1/2 sum |p - q|
+  jsd         1/2 KL(p || m) + 1/2 KL(q || m), m = (p + q) / 2
+A mix (`train.loss: forward_kl:0.9,ce:0.1`) is the weighted sum.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from eyas.config import parse_loss_mix
+
+
+def _xlogy_ratio(p: torch.Tensor, logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """sum over vocab of p (log p - log q), with 0 log 0 = 0 (sparse top-k teachers have p = 0)."""
+    return torch.where(p > 0, p * (logp - logq), torch.zeros_like(p)).sum(-1)
+
+
+def forward_kl(teacher_logp: torch.Tensor, draft_logq: torch.Tensor) -> torch.Tensor:
+    return _xlogy_ratio(teacher_logp.exp(), teacher_logp, draft_logq)
+
+
+def hard_ce(draft_logq: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """-log q[label]; positions whose label is outside the draft vocabulary (label < 0) give 0."""
+    safe = labels.clamp(min=0).unsqueeze(-1)
+    nll = -draft_logq.gather(-1, safe).squeeze(-1)
+    return torch.where(labels >= 0, nll, torch.zeros_like(nll))
+
+
+def total_variation(teacher_logp: torch.Tensor, draft_logq: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (teacher_logp.exp() - draft_logq.exp()).abs().sum(-1)
+
+
+def jensen_shannon(teacher_logp: torch.Tensor, draft_logq: torch.Tensor) -> torch.Tensor:
+    p, q = teacher_logp.exp(), draft_logq.exp()
+    log_m = torch.log((0.5 * (p + q)).clamp_min(torch.finfo(p.dtype).tiny))
+    return 0.5 * _xlogy_ratio(p, teacher_logp, log_m) + 0.5 * _xlogy_ratio(q, draft_logq, log_m)
+
+
+LOSSES = {"forward_kl": forward_kl, "tv": total_variation, "jsd": jensen_shannon}
+
+
+def position_losses(draft_logits: torch.Tensor, teacher_logp: torch.Tensor, labels: torch.Tensor,
+                    mix: dict[str, float] | str) -> torch.Tensor:
+    """The weighted loss mix per position: [N, V] logits and teacher log-probs -> [N] (fp32)."""
+    if isinstance(mix, str):
+        mix = parse_loss_mix(mix)
+    logq = F.log_softmax(draft_logits.float(), dim=-1)
+    total = torch.zeros(logq.shape[:-1], dtype=torch.float32, device=logq.device)
+    for name, weight in mix.items():
+        if weight == 0:
+            continue
+        term = hard_ce(logq, labels) if name == "ce" else LOSSES[name](teacher_logp, logq)
+        total = total + weight * term
+    return total
+
+
+class Teacher:
+    """The frozen target lm_head, restricted to the draft vocabulary, applied in chunks.
+
+    `lm_head_weight` is the target's [V, H] output matrix; `d2t` (draft id -> offset to the
+    target id) selects its rows. Holds two row blocks: the draft rows (the teacher proper)
+    and the remaining rows, used only to find the target's full-vocabulary argmax for an
+    honest held-out acceptance (a draft can never propose a token outside its vocabulary).
+    """
+
+    def __init__(self, lm_head_weight: torch.Tensor, d2t: torch.Tensor | None, chunk: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        vocab = lm_head_weight.shape[0]
+        weight = lm_head_weight.detach().to(device=device, dtype=dtype)
+        self.chunk = int(chunk)
+        self.vocab_size = vocab
+        if d2t is None:
+            self.draft_rows = None
+            self.weight = weight.contiguous()
+            self.rest_weight = None
+            self.target_to_draft = None
+        else:
+            rows = (torch.arange(len(d2t)) + d2t.cpu()).to(device)
+            in_draft = torch.zeros(vocab, dtype=torch.bool, device=device)
+            in_draft[rows] = True
+            self.draft_rows = rows
+            self.weight = weight[rows].contiguous()
+            self.rest_weight = weight[~in_draft].contiguous()
+            # target id -> draft id (-1 outside the draft vocabulary), for hard-CE labels
+            self.target_to_draft = torch.full((vocab,), -1, dtype=torch.long, device=device)
+            self.target_to_draft[rows] = torch.arange(len(rows), device=device)
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.weight.shape[0]
+
+    def to_draft_ids(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids -> draft ids, -1 where the token is outside the draft vocabulary."""
+        if self.target_to_draft is None:
+            return target_ids
+        return self.target_to_draft[target_ids]
+
+    @torch.no_grad()
+    def logprobs(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """[B, T, H] -> teacher log-probs over the draft vocabulary [B, T, V_draft] (fp32), chunked."""
+        flat = last_hidden.reshape(-1, last_hidden.shape[-1])
+        out = torch.empty(flat.shape[0], self.weight.shape[0], dtype=torch.float32, device=flat.device)
+        for start in range(0, flat.shape[0], self.chunk):
+            part = flat[start:start + self.chunk].to(self.weight.dtype)
+            out[start:start + self.chunk] = F.log_softmax((part @ self.weight.T).float(), dim=-1)
+        return out.view(*last_hidden.shape[:-1], -1)
+
+    @torch.no_grad()
+    def full_argmax_in_draft(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """Draft id of the target's full-vocabulary argmax at each position, -1 if outside the draft vocab."""
+        flat = last_hidden.reshape(-1, last_hidden.shape[-1])
+        out = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
+        for start in range(0, flat.shape[0], self.chunk):
+            part = flat[start:start + self.chunk].to(self.weight.dtype)
+            best_val, best_idx = (part @ self.weight.T).float().max(-1)
+            if self.rest_weight is not None and self.rest_weight.shape[0] > 0:
+                rest_val = (part @ self.rest_weight.T).float().max(-1).values
+                best_idx = torch.where(rest_val > best_val, torch.full_like(best_idx, -1), best_idx)
+            out[start:start + self.chunk] = best_idx
+        return out.view(last_hidden.shape[:-1])
+
+    @torch.no_grad()
+    def logprobs_from_topk(self, topk_values: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """A sparse teacher from the dumped top-k: softmax over the k values, placed at their draft ids.
+
+        Works for logits and log-probs alike (the softmax over the k entries renormalises
+        either); entries outside the draft vocabulary are dropped before renormalising.
+        """
+        draft_ids = self.to_draft_ids(topk_ids.long())
+        values = topk_values.float().masked_fill(draft_ids < 0, float("-inf"))
+        logp_k = torch.log_softmax(values, dim=-1)
+        out = torch.full((*topk_ids.shape[:-1], self.draft_vocab_size), float("-inf"), device=topk_values.device)
+        src = torch.where(draft_ids >= 0, logp_k, torch.full_like(logp_k, float("-inf")))
+        # amax: a dropped entry (sent to id 0 with -inf) never overwrites a kept one
+        return out.scatter_reduce_(-1, draft_ids.clamp(min=0), src, reduce="amax", include_self=True)

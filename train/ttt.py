@@ -1,0 +1,154 @@
+"""Training-time test (TTT): unroll the draft over K steps, each fed its own previous output.
+
+Slots and targets. For a sequence x_0..x_{T-1} with target features f_0..f_{T-1}, slot t of
+step k stands for the draft after context x_0..x_t having drafted k tokens already:
+- step 0, slot t: feature f_t, token x_{t+1}, RoPE position t, predicts x_{t+2};
+- step k, slot t: feature = step k-1's output hidden at slot t (eagle3, mtp `chain`) or
+  f_t (mtp `target`); token = the draft's own argmax of step k-1 at slot t, mapped to a
+  target id through d2t (`token_feed="draft"`), or the data token x_{t+k+1}
+  (`token_feed="data"`, teacher forcing); RoPE position t + k; predicts x_{t+k+2}.
+The teacher of step k at slot t is the target's distribution at position t+k+1; the
+position counts when loss_mask[t+k+2] is set (so slots whose label lies past the end
+are dropped).
+
+Attention mask (eagle3 and eagle, one layer shared by every step): the query of step k at
+slot t attends to
+  * step 0's keys at slots s <= t (the context, as the target saw it), and
+  * step j's key at slot t itself, for 1 <= j <= k (its own earlier drafts: the diagonal).
+This is exactly the draft's view at inference after context 0..t; `TTTCache` computes it
+without materialising the (k+1)T-wide mask, and tests check it against the dense 4D mask
+through a DynamicCache. mtp: layer k is its own layer and attends causally to its own
+step's keys (slots s <= t), as DeepSeek-V3's MTP modules do.
+
+Gradients flow through the fed hidden state (step k's loss reaches the weights through
+steps 0..k-1); the fed token is an argmax and carries none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from eyas.train.heads import DraftHead, TTTCache
+from eyas.train.losses import Teacher, position_losses
+
+TOKEN_FEEDS = ("draft", "data")
+
+
+@dataclass
+class UnrollResult:
+    """Per-step sums over valid positions; the caller normalises (global counts under DDP)."""
+
+    loss_sums: list[torch.Tensor] = field(default_factory=list)  # weighted by loss_mask, with grad
+    counts: list[torch.Tensor] = field(default_factory=list)     # sum of loss_mask over valid positions
+    correct: list[torch.Tensor] = field(default_factory=list)    # draft argmax == teacher argmax
+    feature_loss_sum: torch.Tensor | None = None                 # eagle: smooth-L1 to f_{t+1}
+
+
+def default_token_feed(kind: str) -> str:
+    """eagle/eagle3 feed their own drafted tokens; mtp layers see data tokens (their keys are context)."""
+    return "data" if kind == "mtp" else "draft"
+
+
+def step_counts(loss_mask: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Valid positions per step, known before the forward (for global loss normalisation)."""
+    seq = loss_mask.shape[1]
+    return [loss_mask[:, k + 2:].float().sum() if seq > k + 2 else loss_mask.new_zeros((), dtype=torch.float32)
+            for k in range(steps)]
+
+
+def step0_feature(head: DraftHead, batch: dict) -> torch.Tensor:
+    """The feature step 0 reads: fc over the fused layers (eagle3), else the target's last hidden."""
+    if head.kind == "eagle3":
+        return head.project(batch["aux_hidden"])
+    return batch["last_hidden"]
+
+
+def teacher_for(batch: dict, teacher: Teacher) -> torch.Tensor:
+    """Teacher log-probs over the draft vocab: from dumped top-k if present, else through lm_head."""
+    if "topk_values" in batch and "topk_ids" in batch:
+        return teacher.logprobs_from_topk(batch["topk_values"], batch["topk_ids"])
+    return teacher.logprobs(batch["last_hidden"])
+
+
+def unroll(head: DraftHead, batch: dict, teacher: Teacher, steps: int, mix: dict[str, float],
+           token_feed: str = "draft", feature_loss: bool = False, teacher_logp: torch.Tensor | None = None,
+           teacher_top: torch.Tensor | None = None) -> UnrollResult:
+    """Run `steps` draft steps over a batch and return per-step loss sums, counts and hits.
+
+    `teacher_top` overrides the reference argmax for accuracy (held-out eval passes the
+    target's full-vocabulary argmax mapped to draft ids, -1 when outside the draft vocab).
+    """
+    if token_feed not in TOKEN_FEEDS:
+        raise ValueError(f"token_feed must be one of {TOKEN_FEEDS}, got {token_feed!r}")
+    ids = batch["input_ids"]
+    bsz, seq = ids.shape
+    loss_mask = batch["loss_mask"].float()
+    if "attention_mask" in batch:
+        loss_mask = loss_mask * batch["attention_mask"].float()
+    if teacher_logp is None:
+        teacher_logp = teacher_for(batch, teacher)
+    if teacher_top is None:
+        teacher_top = teacher_logp.argmax(-1)
+    labels = teacher.to_draft_ids(ids)
+    positions = torch.arange(seq, device=ids.device).unsqueeze(0).expand(bsz, -1)
+    pad = ids.new_zeros(bsz, 1)
+    tokens = torch.cat([ids[:, 1:], pad], dim=1)  # x_{t+1} at slot t
+    feature = first_feature = step0_feature(head, batch)
+    cache = TTTCache() if head.kind in ("eagle", "eagle3") else None
+    out = UnrollResult()
+    for k in range(steps):
+        hidden, logits = head.step(k, tokens, feature, positions + k, past_key_values=cache)
+        _score_step(out, k, logits, teacher_logp, teacher_top, labels, loss_mask, mix)
+        if feature_loss and k == 0:
+            out.feature_loss_sum = _feature_loss_sum(hidden, batch["last_hidden"], loss_mask)
+        if k + 1 == steps:
+            break
+        chain = not (head.kind == "mtp" and head.config["mtp_feed"] == "target")
+        feature = hidden if chain else first_feature
+        if token_feed == "draft":
+            tokens = head.draft_to_target(logits.detach().argmax(-1))
+        else:
+            tokens = torch.cat([ids[:, k + 2:], ids.new_zeros(bsz, min(k + 2, seq))], dim=1)[:, :seq]
+    return out
+
+
+def _score_step(out: UnrollResult, k: int, logits, teacher_logp, teacher_top, labels, loss_mask, mix) -> None:
+    seq = logits.shape[1]
+    length = seq - k - 2  # slots whose predicted token x_{t+k+2} exists
+    if length <= 0:
+        zero = logits.new_zeros((), dtype=torch.float32)
+        out.loss_sums.append(logits.sum() * 0.0)  # keeps every parameter in the graph (DDP)
+        out.counts.append(zero)
+        out.correct.append(zero)
+        return
+    weight = loss_mask[:, k + 2:]
+    sel = weight > 0
+    w = weight[sel]
+    step_logits = logits[:, :length][sel]
+    losses = position_losses(step_logits, teacher_logp[:, k + 1:seq - 1][sel], labels[:, k + 2:][sel], mix)
+    out.loss_sums.append((losses * w).sum())
+    out.counts.append(weight.sum())
+    hits = (step_logits.detach().argmax(-1) == teacher_top[:, k + 1:seq - 1][sel]).float()
+    out.correct.append((hits * w).sum())
+
+
+def _feature_loss_sum(hidden: torch.Tensor, last_hidden: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """EAGLE-1's regression: slot t's output hidden against the target's f_{t+1} (smooth L1, mean over H)."""
+    seq = hidden.shape[1]
+    if seq < 3:
+        return hidden.sum() * 0.0
+    weight = loss_mask[:, 2:]
+    per_pos = F.smooth_l1_loss(hidden[:, :seq - 2].float(), last_hidden[:, 1:seq - 1].float(), reduction="none").mean(-1)
+    return (per_pos * weight).sum()
+
+
+def simulated_acceptance_length(step_accuracy: list[float]) -> float:
+    """sum over k of the product of per-step accuracies up to k (expected accepted drafts, chain, greedy)."""
+    total, running = 0.0, 1.0
+    for acc in step_accuracy:
+        running *= acc
+        total += running
+    return total
