@@ -105,6 +105,7 @@ class DraftConfig:
     mtp_feed: str = _doc("mtp: chain (step k reads step k-1's hidden) or target (every step reads the target's).", "chain")
     intermediate_size: int = _doc("MLP width of the draft layer (0: the target's).", 0)
     use_draft_vocab: bool = _doc("eagle3: predict over the reduced draft vocabulary (d2t/t2d).", True)
+    train_lm_head: bool = _doc("eagle3: train the draft lm_head (initialised from the target's rows); false freezes it.", True)
 
 
 @dataclass
@@ -125,7 +126,7 @@ class TrainConfig:
     loss: str = _doc("Distribution loss: forward_kl, ce, tv, jsd, or a mix like `forward_kl:0.9,ce:0.1`.", "forward_kl")
     feature_loss_weight: float = _doc("eagle: weight of the smooth-L1 feature regression.", 1.0)
     teacher_chunk: int = _doc("Positions per chunk when recomputing the teacher through lm_head.", 2048)
-    mixed_precision: str = _doc("no, bf16 or fp16 (GPU).", "no")
+    mixed_precision: str = _doc("auto (bf16 on GPU, none on CPU), no, bf16 or fp16.", "auto")
     eval_every: int = _doc("Held-out evaluation every N steps (0: only at the end).", 500)
     eval_batches: int = _doc("Held-out micro-batches per evaluation.", 20)
     save_every: int = _doc("Checkpoint every N steps (0: only at the end).", 500)
@@ -133,6 +134,13 @@ class TrainConfig:
     log_every: int = _doc("Log metrics every N steps.", 10)
     logger: str = _doc("none, wandb (offline without an API key) or tensorboard.", "none")
     resume: bool = _doc("Resume from the newest checkpoint in the run directory if there is one.", True)
+    ttt_token_feed: str = _doc(
+        "Token an unrolled step reads: draft (the previous step's own argmax, as at inference), data "
+        "(teacher forcing) or auto (draft for eagle/eagle3, data for mtp, whose layers see data tokens as context).",
+        "auto",
+    )
+    prefetch: int = _doc("Batches read ahead by a background thread (0: read in the training thread).", 2)
+    wandb_project: str = _doc("wandb project (logger: wandb); runs offline unless WANDB_API_KEY is set.", "eyas")
 
 
 @dataclass
@@ -190,7 +198,8 @@ CHOICES = {
     "draft.kind": ("eagle", "eagle3", "mtp"),
     "draft.mtp_feed": ("chain", "target"),
     "train.source": ("shards", "online"),
-    "train.mixed_precision": ("no", "bf16", "fp16"),
+    "train.mixed_precision": ("auto", "no", "bf16", "fp16"),
+    "train.ttt_token_feed": ("auto", "draft", "data"),
     "train.logger": ("none", "wandb", "tensorboard"),
     "export.to": ("sglang", "vllm"),
     "export.dtype": ("bfloat16", "float16", "float32"),
@@ -202,7 +211,7 @@ _POSITIVE = ["train.lr", "train.token_budget", "train.grad_accum", "train.ttt_st
              "data.regenerate_max_new_tokens", "data.regenerate_batch_size", "dump.token_budget",
              "dump.shard_tokens", "dump.topk", "eval.max_new_tokens", "train.epochs", "train.keep_last",
              "train.eval_batches"]
-_NON_NEGATIVE = ["train.max_steps", "train.warmup_steps", "train.weight_decay", "train.max_grad_norm",
+_NON_NEGATIVE = ["train.prefetch", "train.max_steps", "train.warmup_steps", "train.weight_decay", "train.max_grad_norm",
                  "train.eval_every", "train.save_every", "train.feature_loss_weight", "data.max_samples",
                  "data.regenerate_temperature", "dump.draft_vocab_size", "draft.intermediate_size",
                  "eval.max_prompts", "eval.temperature", "eval.top_k", "export.num_speculative_tokens"]

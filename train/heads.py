@@ -103,6 +103,7 @@ def head_config(draft_cfg: Any, target_config: Any, aux_layers: list[int] | None
         "target_hidden_layers": int(text.num_hidden_layers),
         "tie_word_embeddings": bool(getattr(target_config, "tie_word_embeddings", False)),
         "target_identity": target_identity,
+        "train_lm_head": bool(getattr(draft_cfg, "train_lm_head", True)) if kind == "eagle3" else False,
     }
 
 
@@ -300,7 +301,7 @@ class DraftHead(nn.Module):
         self.rotary_emb = LlamaRotaryEmbedding(_layer_config(cfg))
         self._init_weights(cfg["initializer_range"])
         self.embed_tokens.requires_grad_(False)
-        if self.kind != "eagle3":
+        if not cfg.get("train_lm_head", self.kind == "eagle3"):
             self.lm_head.requires_grad_(False)
         self.register_buffer("d2t", None)  # None buffers stay out of the state_dict
         self.register_buffer("t2d", None)
