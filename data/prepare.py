@@ -93,8 +93,11 @@ def _search_spans(tokenizer: Any, messages: list[dict], text: str) -> list[tuple
         if message["role"] != "assistant" or not content:
             continue
         at = text.find(content, cursor)
+        if at < 0 and "</think>" in content:  # thinking templates drop earlier turns' thoughts
+            content = content.split("</think>")[-1].strip()
+            at = text.find(content, cursor) if content else -1
         if at < 0:
-            continue  # the template dropped or rewrote this turn (e.g. a stripped thought)
+            continue  # the template dropped or rewrote this turn beyond recognition
         end = at + len(content)
         if suffix and text.startswith(suffix, end):
             end += len(suffix)

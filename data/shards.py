@@ -153,7 +153,9 @@ def write_shard(directory: Path, index: int, tensors: dict[str, torch.Tensor], m
     """Serialise one shard (bytes are deterministic for equal tensors), write it and its sidecar."""
     from safetensors.torch import save
 
-    payload = save({k: v.contiguous() for k, v in tensors.items()}, metadata={k: str(v) for k, v in metadata.items()})
+    # One metadata key holding sorted JSON: safetensors writes several keys in a per-process
+    # random (hash map) order, which would make equal shards differ byte for byte.
+    payload = save({k: v.contiguous() for k, v in tensors.items()}, metadata={"eyas": json.dumps(metadata, sort_keys=True)})
     record = {
         "file": shard_name(index), "bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest(),
         "num_samples": int(tensors["offsets"].numel() - 1), "num_tokens": int(tensors["input_ids"].numel()),
@@ -273,16 +275,18 @@ class ShardReader:
 
     # -- opening
     def _check_files(self) -> None:
+        problems = []
         for record in self.manifest["shards"] + [self.manifest["index"]]:
             path = self.shard_dir / record["file"]
             if not path.is_file():
-                raise EyasError(f"shard file '{path}' is missing; rerun `eyas dump RECIPE` to redo it")
-            size = path.stat().st_size
-            if size != record["bytes"]:
-                raise EyasError(
-                    f"shard file '{path}' is truncated or altered ({size} bytes, the manifest says {record['bytes']}); "
-                    "rerun `eyas dump RECIPE` to repair it"
-                )
+                problems.append(f"'{path}' is missing")
+            elif path.stat().st_size != record["bytes"]:
+                problems.append(f"'{path}' is truncated or altered ({path.stat().st_size} bytes, "
+                                f"the manifest says {record['bytes']})")
+        if problems:
+            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+            raise EyasError(f"{len(problems)} shard file(s) are missing or damaged: {'; '.join(problems[:5])}{more}; "
+                            "rerun `eyas dump RECIPE` to repair them")
 
     def _load_index(self) -> dict[str, torch.Tensor]:
         from safetensors import safe_open
