@@ -1,0 +1,207 @@
+"""Regeneration: replace each assistant turn with the target's own response.
+
+A draft learns to predict the target; training it on another author's answers teaches it a
+distribution the target never produces. With `data.regenerate: true`, prepare asks the target
+for every assistant turn in order, given the conversation so far (earlier turns already
+regenerated), and keeps the user turns as they are.
+
+Two back ends:
+- the target itself through HF `generate`, batched with left padding (conversations are grouped
+  by turn number and sorted by prompt length so a batch wastes little padding);
+- an OpenAI-compatible server (`data.regenerate_endpoint`, e.g. vLLM or SGLang serving a large
+  target), with `regenerate_batch_size` requests in flight; standard library only.
+Greedy at temperature 0, sampling otherwise (seeded by run.seed for HF generate).
+Turns whose prompt already fills `data.max_length` are left as they are: prepare would cut them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+from eyas.errors import EyasError
+
+
+def _turn_slots(rows: list[dict]) -> list[list[tuple[int, int]]]:
+    """slots[r] = (row, message index) of every conversation's r-th assistant turn."""
+    slots: list[list[tuple[int, int]]] = []
+    for row_i, row in enumerate(rows):
+        turn = 0
+        for msg_i, message in enumerate(row.get("messages") or []):
+            if message["role"] == "assistant":
+                if len(slots) <= turn:
+                    slots.append([])
+                slots[turn].append((row_i, msg_i))
+                turn += 1
+    return slots
+
+
+def regenerate_conversations(rows: list[dict], generate: Callable[[list[list[dict]]], list[str]],
+                             prompt_tokens: Callable[[list[dict]], int], max_length: int,
+                             batch_size: int, progress: Any = None) -> tuple[list[dict], Counter]:
+    """Replace assistant turns in order; `generate` maps a batch of prompts (message lists) to replies."""
+    rows = [dict(r, messages=[dict(m) for m in r["messages"]]) if r.get("messages") else dict(r) for r in rows]
+    stats: Counter = Counter()
+    stopped: set[int] = set()  # conversations whose prompt already reached max_length
+    for slots in _turn_slots(rows):
+        jobs = []
+        for row_i, msg_i in slots:
+            if row_i in stopped:
+                stats["kept: prompt beyond max_length"] += 1
+                continue
+            prompt = rows[row_i]["messages"][:msg_i]
+            length = prompt_tokens(prompt)
+            if length >= max_length:
+                stopped.add(row_i)
+                stats["kept: prompt beyond max_length"] += 1
+                continue
+            jobs.append((length, row_i, msg_i))
+        jobs.sort(key=lambda j: (-j[0], j[1]))  # similar lengths together: little padding
+        for start in range(0, len(jobs), batch_size):
+            batch = jobs[start:start + batch_size]
+            replies = generate([rows[r]["messages"][:m] for _, r, m in batch])
+            for (_, row_i, msg_i), reply in zip(batch, replies):
+                if reply is None:
+                    stats["kept: endpoint error"] += 1
+                    continue
+                rows[row_i]["messages"][msg_i]["content"] = reply
+                stats["regenerated"] += 1
+                stats["empty reply"] += 0 if reply.strip() else 1
+            if progress is not None:
+                progress.update(len(batch))
+    return rows, stats
+
+
+# ----------------------------------------------------------------------------- HF generate
+
+
+def hf_generator(model: Any, tokenizer: Any, max_new_tokens: int, temperature: float, seed: int):
+    """A `generate(prompts) -> replies` function running the target with left padding."""
+    import torch
+
+    device = next(model.parameters()).device
+    eos = {tokenizer.eos_token_id}
+    config_eos = getattr(model.generation_config, "eos_token_id", None)
+    eos |= set(config_eos if isinstance(config_eos, list) else [config_eos] if config_eos is not None else [])
+    eos.discard(None)
+    generator_seed = [seed]
+
+    def generate(prompts: list[list[dict]]) -> list[str]:
+        texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+        side = tokenizer.padding_side
+        tokenizer.padding_side = "left"
+        try:
+            enc = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt").to(device)
+        finally:
+            tokenizer.padding_side = side
+        kwargs: dict = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=sorted(eos))
+        if temperature > 0:
+            torch.manual_seed(generator_seed[0])
+            generator_seed[0] += 1
+            kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+        else:
+            kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+        with torch.inference_mode():
+            out = model.generate(**enc, **kwargs)
+        new = out[:, enc["input_ids"].shape[1]:]
+        return [tokenizer.decode(seq, skip_special_tokens=True).strip() for seq in new]
+
+    return generate
+
+
+# ----------------------------------------------------------------------------- an endpoint
+
+
+def _base_url(endpoint: str) -> str:
+    url = endpoint.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def _request(url: str, payload: dict | None = None, timeout: float = 600.0) -> dict:
+    data = json.dumps(payload).encode() if payload is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
+                                 method="POST" if payload is not None else "GET")
+    with urllib.request.urlopen(req, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def endpoint_model(endpoint: str, model: str = "") -> str:
+    """The model name to request: the recipe's, else the first the server lists."""
+    if model:
+        return model
+    url = _base_url(endpoint) + "/models"
+    try:
+        listed = _request(url, timeout=30)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise EyasError(f"cannot reach data.regenerate_endpoint '{endpoint}' ({exc}); start the server or fix the URL") from None
+    if not listed.get("data"):
+        raise EyasError(f"'{url}' lists no models; set data.regenerate_model")
+    return listed["data"][0]["id"]
+
+
+def endpoint_generator(endpoint: str, model: str, max_new_tokens: int, temperature: float, workers: int,
+                       retries: int = 3):
+    """`generate(prompts) -> replies` against /v1/chat/completions; None for a request that kept failing."""
+    url = _base_url(endpoint) + "/chat/completions"
+
+    def one(messages: list[dict]) -> str | None:
+        payload = {"model": model, "messages": messages, "max_tokens": max_new_tokens, "temperature": temperature}
+        for attempt in range(retries):
+            try:
+                reply = _request(url, payload)
+                return (reply["choices"][0]["message"]["content"] or "").strip()
+            except urllib.error.HTTPError as exc:
+                if exc.code < 500 and exc.code != 429:  # the request itself is wrong: retrying won't help
+                    return None
+            except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError):
+                pass
+            time.sleep(0.5 * 2**attempt)
+        return None
+
+    def generate(prompts: list[list[dict]]) -> list[str | None]:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            return list(pool.map(one, prompts))
+
+    return generate
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+def regenerate_rows(rows: list[dict], recipe: Any, tokenizer: Any, model: Any = None) -> list[dict]:
+    """The prepare step: rows with assistant turns rewritten by the target (text rows unchanged)."""
+    from tqdm import tqdm
+
+    data = recipe.data
+    if data.regenerate_endpoint:
+        name = endpoint_model(data.regenerate_endpoint, data.regenerate_model)
+        generate = endpoint_generator(data.regenerate_endpoint, name, data.regenerate_max_new_tokens,
+                                      data.regenerate_temperature, data.regenerate_batch_size)
+        where = f"{data.regenerate_endpoint} ({name})"
+    else:
+        if model is None:
+            from eyas.targets import load_target
+
+            model, _ = load_target(recipe.target)
+        generate = hf_generator(model, tokenizer, data.regenerate_max_new_tokens, data.regenerate_temperature,
+                                recipe.run.seed)
+        where = "the target (HF generate)"
+
+    def prompt_tokens(messages: list[dict]) -> int:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    total = sum(len(s) for s in _turn_slots(rows))
+    with tqdm(total=total, unit="turn", desc="regenerating", dynamic_ncols=True, disable=not total) as progress:
+        new_rows, stats = regenerate_conversations(rows, generate, prompt_tokens, data.max_length,
+                                                   data.regenerate_batch_size, progress)
+    summary = ", ".join(f"{n} {k}" for k, n in sorted(stats.items()) if n)
+    print(f"eyas prepare: regenerated assistant turns with {where}: {summary or 'nothing to do'}", flush=True)
+    if total and stats["kept: endpoint error"] == total:
+        raise EyasError(f"every request to data.regenerate_endpoint '{data.regenerate_endpoint}' failed; check the server log")
+    return new_rows

@@ -1,0 +1,145 @@
+"""Regeneration: batched left-padded HF generate equals one-at-a-time greedy; OpenAI endpoint via a fake server."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from eyas.config import load_recipe
+from eyas.data.prepare import load_prepared, prepare
+from eyas.data.regenerate import endpoint_generator, hf_generator, regenerate_conversations, regenerate_rows
+
+ROWS = [
+    {"id": "a", "messages": [{"role": "user", "content": "Hello, how are you doing today?"},
+                             {"role": "assistant", "content": "original 1"},
+                             {"role": "user", "content": "What is the capital of France?"},
+                             {"role": "assistant", "content": "original 2"}]},
+    {"id": "b", "messages": [{"role": "user", "content": "Tell me a story about a hawk."},
+                             {"role": "assistant", "content": "original 3"}]},
+    {"id": "c", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def add(a, b):"},
+                             {"role": "assistant", "content": "original 4"}]},
+    {"id": "t", "text": "plain text stays"},
+]
+
+
+def test_batched_generate_equals_one_by_one_greedy(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    generate = hf_generator(model, tok, max_new_tokens=10, temperature=0.0, seed=0)
+
+    def prompt_tokens(messages):
+        return len(tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))["input_ids"])
+
+    rows, stats = regenerate_conversations(ROWS, generate, prompt_tokens, max_length=512, batch_size=3)
+    assert stats["regenerated"] == 4 and rows[3] == ROWS[3]
+    for row in rows[:3]:  # replay each conversation alone, turn by turn, unpadded
+        so_far = []
+        for message in row["messages"]:
+            if message["role"] == "assistant":
+                assert message["content"] == generate([so_far])[0]
+                assert "original" not in message["content"]
+            so_far.append(message)
+    assert ROWS[0]["messages"][1]["content"] == "original 1"  # the input rows are not modified
+
+
+def test_long_prompts_are_left_alone():
+    calls = []
+
+    def generate(prompts):
+        calls.extend(prompts)
+        return ["new"] * len(prompts)
+
+    rows, stats = regenerate_conversations(ROWS[:1], generate, lambda m: 100 * len(m), max_length=250, batch_size=4)
+    assert [m["content"] for m in rows[0]["messages"] if m["role"] == "assistant"] == ["new", "original 2"]
+    assert stats["kept: prompt beyond max_length"] == 1 and len(calls) == 1
+
+
+class FakeServer(BaseHTTPRequestHandler):
+    requests: list = []
+    fail_next = 1  # the first completion request gets a 500: the client must retry
+
+    def log_message(self, *args):
+        pass
+
+    def _send(self, code: int, payload: dict) -> None:
+        body = json.dumps(payload).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        if self.path == "/v1/models":
+            self._send(200, {"object": "list", "data": [{"id": "fake-target", "object": "model"}]})
+        else:
+            self._send(404, {"error": "not found"})
+
+    def do_POST(self):
+        payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if FakeServer.fail_next:
+            FakeServer.fail_next -= 1
+            self._send(500, {"error": "busy"})
+            return
+        FakeServer.requests.append(payload)
+        last_user = [m["content"] for m in payload["messages"] if m["role"] == "user"][-1]
+        reply = f"echo[{len(payload['messages'])}]: {last_user}"
+        self._send(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": reply}}]})
+
+
+@pytest.fixture()
+def fake_server():
+    FakeServer.requests, FakeServer.fail_next = [], 1
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_endpoint_regeneration_through_prepare(tmp_path, tiny_llama_dir, fake_server):
+    source = tmp_path / "rows.jsonl"
+    source.write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
+    recipe = load_recipe(None, [f"target.path={tiny_llama_dir}", f"data.source={source}", f"run.output_dir={tmp_path}",
+                                "data.heldout_fraction=0.0", "data.regenerate=true", f"data.regenerate_endpoint={fake_server}",
+                                "data.regenerate_max_new_tokens=33", "data.regenerate_batch_size=2"])
+    prepare(recipe)
+    train = load_prepared(recipe.run_dir, "train")
+    by_id = {r["id"]: r["messages"] for r in train}
+    assert by_id["a"][1]["content"] == "echo[1]: Hello, how are you doing today?"
+    assert by_id["a"][3]["content"] == "echo[3]: What is the capital of France?"
+    assert by_id["c"][2]["content"] == "echo[2]: def add(a, b):"
+    second_turn = [r for r in FakeServer.requests if len(r["messages"]) == 3 and r["messages"][0]["role"] == "user"][0]
+    assert second_turn["messages"][1]["content"] == "echo[1]: Hello, how are you doing today?"  # fed the new reply
+    assert {r["model"] for r in FakeServer.requests} == {"fake-target"}
+    assert {r["max_tokens"] for r in FakeServer.requests} == {33} and len(FakeServer.requests) == 4
+    assert "t" in by_id  # text rows pass through
+
+
+def test_endpoint_failures_keep_the_original(fake_server):
+    FakeServer.fail_next = 10**6
+    generate = endpoint_generator(fake_server, "m", 8, 0.0, workers=2, retries=2)
+    rows, stats = regenerate_conversations(ROWS[1:2], generate, lambda m: 1, max_length=100, batch_size=2)
+    assert rows[0]["messages"][1]["content"] == "original 3" and stats["kept: endpoint error"] == 1
+    recipe = load_recipe(None, ["data.regenerate=true", f"data.regenerate_endpoint={fake_server}"])
+    from eyas.errors import EyasError
+
+    with pytest.raises(EyasError, match="every request"):
+        regenerate_rows(ROWS[1:2], recipe, tokenizer=_CountingTokenizer())
+
+
+class _CountingTokenizer:
+    """Just enough tokenizer for prompt lengths."""
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return " ".join(m["content"] for m in messages)
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": text.split()}
