@@ -88,6 +88,10 @@ class SpeculativeDecoder:
         if int(draft.vocab_size) != int(target.config.vocab_size):
             raise EyasError(f"draft '{draft.name}' returns {draft.vocab_size} logits but the target's vocabulary "
                             f"has {target.config.vocab_size} tokens: the draft was made for another target")
+        max_depth = getattr(draft, "max_depth", None)
+        if max_depth is not None and shape.depth > max_depth:
+            raise EyasError(f"draft '{draft.name}' drafts at most {max_depth} tokens deep (one mtp layer per step); "
+                            f"shape '{shape.spec}' needs {shape.depth}")
         self.target = target
         self.draft = draft
         self.shape = shape

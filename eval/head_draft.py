@@ -1,0 +1,235 @@
+"""The adapter from a trained draft head (eagle, eagle3, mtp) to the decoder's draft protocol.
+
+It replays at inference exactly what `eyas.train.ttt` trains (see that module's docstring):
+
+eagle / eagle3 (one layer, KV layer 0). Slot t holds the pair (feature f_t, token x_{t+1}) at
+RoPE position t. The committed slots are step-0 entries computed from the target's own
+features. Drafting the children of the root x_M is step 0 at slot M-1 (the last committed
+pair); a tree node at depth d is expanded by step d at slot M-1, position M-1+d, feature = the
+hidden its parent's expansion produced, attending to the committed slots and to its own
+ancestors' entries (the training-time-test mask: context + the diagonal of earlier steps).
+On commit the tree entries are dropped (they were made from draft features) and the accepted
+pairs are recomputed as step 0 from the target's features at the old root and the accepted
+tokens, which also yields the new root's children.
+
+mtp (layer k per step, KV layer k, token feed "data"). Layer k's entry at slot s reads token
+x_{s+k+1} and the feature of slot s (layer k-1's hidden there, or the target's f_s with
+`mtp_feed=target`), at position s+k. Layer k holds committed entries for the slots whose
+token is committed (s <= M-1-k). A node at depth d runs layer d over slots M-d..M-1 with the
+drafted tokens of its own path standing in for the unknown x_{M+1..M+d} (as SGLang's
+multi-layer draft extend does); those rows attend to layer d's committed entries and causally
+to each other, and are dropped on commit, when each layer advances over the slots whose
+tokens became known.
+
+Logits are mapped to the target vocabulary through d2t (-inf for tokens outside the draft
+vocabulary).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from eyas.errors import EyasError
+
+
+class HeadDraft:
+    """A trained head driven through the draft protocol (see `eyas.eval.drafts`)."""
+
+    def __init__(self, head, name: str):
+        self.head = head
+        self.kind = head.kind
+        self.name = name
+        cfg = head.config
+        self.vocab_size = int(cfg["vocab_size"])
+        self.mtp_target_feed = self.kind == "mtp" and cfg.get("mtp_feed") == "target"
+        # eagle3 reads the fused layers; eagle and mtp the target's last hidden state (post-norm)
+        self.feature_layers = list(cfg["aux_layers"]) if self.kind == "eagle3" else [-1]
+        self.max_depth = int(cfg["num_layers"]) if self.kind == "mtp" else None
+        device = next(head.parameters()).device
+        self.device = device
+        self.target_ids = None
+        if head.d2t is not None:
+            self.target_ids = head.draft_to_target(torch.arange(head.draft_vocab_size, device=device))
+        self.cache = None
+
+    # ---- shared helpers ------------------------------------------------------------------------
+
+    def _to_target(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.float()
+        if self.target_ids is None:
+            return logits
+        out = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+        out[:, self.target_ids] = logits
+        return out
+
+    def _step(self, k: int, tokens: list[int], features: torch.Tensor, positions: list[int], mask=None):
+        ids = torch.tensor([tokens], device=self.device)
+        pos = torch.tensor([positions], device=self.device)
+        hidden, logits = self.head.step(k, ids, features[None], pos, attention_mask=mask, past_key_values=self.cache)
+        return hidden[0], logits[0]
+
+    def _project(self, features: torch.Tensor) -> torch.Tensor:
+        dtype = next(self.head.parameters()).dtype
+        return self.head.project(features.to(self.device, dtype))
+
+    def _crop(self, layer: int, length: int) -> None:
+        if layer < len(self.cache.layers):
+            entry = self.cache.layers[layer]
+            if getattr(entry, "keys", None) is not None and entry.keys.numel():
+                entry.keys = entry.keys[..., :length, :]
+                entry.values = entry.values[..., :length, :]
+
+    # ---- protocol --------------------------------------------------------------------------------
+
+    def start(self, prompt_ids: torch.Tensor, root: int, features: torch.Tensor) -> torch.Tensor:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache()
+        self.tokens = prompt_ids.tolist() + [root]  # x_0 .. x_M (M = root position)
+        self.features = self._project(features)     # f_0 .. f_{M-1}
+        self.nodes: list[dict] = []
+        if self.kind == "mtp":
+            self.frontier = [0] * self.max_depth    # committed slots per layer
+            self.real_hidden: list[torch.Tensor | None] = [None] * self.max_depth
+            return self._mtp_advance()
+        self.committed = 0
+        return self._eagle_extend(self.tokens[1:], self.features)
+
+    def expand(self, parents: list[int], tokens: list[int]) -> torch.Tensor:
+        if self.kind == "mtp":
+            return self._mtp_expand(parents, tokens)
+        return self._eagle_expand(parents, tokens)
+
+    def commit(self, kept: list[int], tokens: list[int], root: int, features: torch.Tensor) -> torch.Tensor:
+        new_features = self._project(features)
+        self.nodes = []
+        if self.kind == "mtp":
+            self.tokens += tokens + [root]
+            self.features = torch.cat([self.features, new_features])
+            for layer in range(self.max_depth):
+                self._crop(layer, self.frontier[layer])
+            return self._mtp_advance()
+        self._crop(0, self.committed)
+        self.tokens += tokens + [root]
+        return self._eagle_extend(tokens + [root], new_features)
+
+    # ---- eagle / eagle3 --------------------------------------------------------------------------
+
+    def _eagle_extend(self, tokens: list[int], features: torch.Tensor) -> torch.Tensor:
+        """Step 0 over new committed pairs (f_t, x_{t+1}); returns the last pair's logits."""
+        positions = list(range(self.committed, self.committed + len(tokens)))
+        hidden, logits = self._step(0, tokens, features, positions)
+        self.committed += len(tokens)
+        self.root_hidden = hidden[-1]
+        return self._to_target(logits[-1:])[0]
+
+    def _eagle_expand(self, parents: list[int], tokens: list[int]) -> torch.Tensor:
+        first = len(self.nodes)
+        for offset, parent in enumerate(parents):
+            up = self.nodes[parent] if parent >= 0 else None
+            self.nodes.append({"bits": (1 << (first + offset)) | (up["bits"] if up else 0),
+                               "depth": up["depth"] + 1 if up else 1})
+        new = self.nodes[first:]
+        feats = torch.stack([self.nodes[p]["hidden"] if p >= 0 else self.root_hidden for p in parents])
+        total = len(self.nodes)
+        rows = torch.tensor([[(n["bits"] >> i) & 1 for i in range(total)] for n in new], dtype=torch.bool)
+        visible = torch.cat([torch.ones(len(new), self.committed, dtype=torch.bool), rows], dim=1)
+        positions = [self.committed - 1 + n["depth"] for n in new]
+        hidden, logits = self._step(new[0]["depth"], tokens, feats, positions, visible[None, None].to(self.device))
+        for node, h in zip(new, hidden):
+            node["hidden"] = h
+        return self._to_target(logits)
+
+    # ---- mtp ---------------------------------------------------------------------------------------
+
+    def _mtp_feature(self, layer: int, slots: range, parent_rows: dict | None = None) -> torch.Tensor:
+        """Features of `layer` at `slots`: the target's f_s, or layer-1's hidden (committed or the parent's rows)."""
+        if layer == 0 or self.mtp_target_feed:
+            return self.features[slots.start:slots.stop]
+        rows = []
+        for s in slots:
+            if s < self.frontier[layer - 1]:
+                rows.append(self.real_hidden[layer - 1][s])
+            else:
+                rows.append(parent_rows["hidden"][s - parent_rows["first_slot"]])
+        return torch.stack(rows)
+
+    def _mtp_advance(self) -> torch.Tensor:
+        """Each layer k runs over its newly committed slots (token x_{s+k+1} known: s <= M-1-k)."""
+        last = len(self.tokens) - 1  # M
+        logits0 = None
+        for layer in range(self.max_depth):
+            slots = range(self.frontier[layer], max(self.frontier[layer], last - layer))
+            if len(slots):
+                feats = self._mtp_feature(layer, slots)
+                tokens = [self.tokens[s + layer + 1] for s in slots]
+                hidden, logits = self._step(layer, tokens, feats, [s + layer for s in slots])
+                done = self.real_hidden[layer]
+                self.real_hidden[layer] = hidden if done is None else torch.cat([done, hidden])
+                self.frontier[layer] = slots.stop
+                if layer == 0:
+                    logits0 = logits[-1:]
+        return self._to_target(logits0)[0]
+
+    def _mtp_expand(self, parents: list[int], tokens: list[int]) -> torch.Tensor:
+        last = len(self.tokens) - 1
+        outs = []
+        for parent, token in zip(parents, tokens):
+            up = self.nodes[parent] if parent >= 0 else None
+            depth = up["depth"] + 1 if up else 1
+            if depth >= self.max_depth:
+                raise EyasError(f"the mtp draft has {self.max_depth} layers: shapes deeper than {self.max_depth} "
+                                "cannot be drafted with it")
+            path = (up["path"] if up else []) + [token]
+            slots = range(max(0, last - depth), last)
+            feats = self._mtp_feature(depth, slots, up)
+            step_tokens = [path[s + depth - last] for s in slots]  # x_{s+d+1} = depth (s+d+1-M) on the path
+            before = self.cache.get_seq_length(depth) if depth < len(self.cache.layers) else 0
+            n = len(slots)
+            visible = torch.cat([torch.ones(n, self.frontier[depth], dtype=torch.bool),
+                                 torch.zeros(n, before - self.frontier[depth], dtype=torch.bool),
+                                 torch.ones(n, n, dtype=torch.bool).tril()], dim=1)
+            hidden, logits = self._step(depth, step_tokens, feats, [s + depth for s in slots],
+                                        visible[None, None].to(self.device))
+            self.nodes.append({"depth": depth, "path": path, "hidden": hidden, "first_slot": slots.start})
+            outs.append(logits[-1])
+        return self._to_target(torch.stack(outs))
+
+
+def check_head_against_target(config: dict, meta: dict, target, tokenizer, target_path: str | None, where: Path) -> None:
+    """Refuse a head made for another target, saying which property differs."""
+    tcfg = target.config
+    problems = []
+    if int(config["hidden_size"]) != int(tcfg.hidden_size):
+        problems.append(f"hidden size {config['hidden_size']} vs the target's {tcfg.hidden_size}")
+    if int(config["vocab_size"]) != int(tcfg.vocab_size):
+        problems.append(f"vocabulary {config['vocab_size']} vs the target's {tcfg.vocab_size}")
+    layers = int(tcfg.num_hidden_layers)
+    bad_layers = [i for i in config.get("aux_layers") or [] if not -layers - 1 <= int(i) <= layers]
+    if bad_layers:
+        problems.append(f"fused layers {bad_layers} do not exist in a {layers}-layer target")
+    saved_identity = meta.get("target_identity") or config.get("target_identity") or ""
+    if not problems and saved_identity and target_path is not None and tokenizer is not None:
+        from eyas.targets import load_target_config, target_identity
+
+        identity = target_identity(load_target_config(target_path), tokenizer)
+        if identity != saved_identity:
+            problems.append(f"target identity {saved_identity} vs this target's {identity} "
+                            "(another model, tokenizer or chat template)")
+    if problems:
+        raise EyasError(f"draft '{where}' was made for another target: " + "; ".join(problems))
+
+
+def load_head_draft(directory: Path, target, tokenizer, device=None, target_path: str | None = None) -> HeadDraft:
+    """Load a trained head from a draft directory (`eyas.train.checkpoint.load_draft`) for this target."""
+    from eyas.train.checkpoint import load_draft, read_draft_config
+
+    directory = Path(directory)
+    config = read_draft_config(directory)
+    check_head_against_target(config, config.get("meta", {}), target, tokenizer, target_path, directory)
+    head, meta = load_draft(directory, device=device or target.device, dtype=target.dtype)
+    if head.d2t is not None and int(head.d2t.numel()) != int(head.draft_vocab_size):
+        raise EyasError(f"draft '{directory}': its d2t map does not match its draft vocabulary")
+    return HeadDraft(head.eval().requires_grad_(False), f"{config['kind']}:{directory.name}")
