@@ -387,6 +387,20 @@ class DraftHead(nn.Module):
         hidden = layer(embeds, feature, cos, sin, attention_mask, past_key_values, k)
         return hidden, self.lm_head(layer.norm(hidden))
 
+    def forward(self, batch: dict, teacher: Any, steps: int, mix: dict, token_feed: str = "draft",
+                feature_loss: bool = False, teacher_top: torch.Tensor | None = None) -> dict:
+        """The training/eval unroll (`eyas.train.ttt.unroll`) as the module's forward.
+
+        Going through forward() is what lets DDP, FSDP and DeepSpeed hook the backward and
+        accelerate apply autocast. Returns a dict of per-step lists (see `UnrollResult`).
+        """
+        from eyas.train.ttt import unroll
+
+        result = unroll(self, batch, teacher, steps, mix, token_feed=token_feed, feature_loss=feature_loss,
+                        teacher_top=teacher_top)
+        return {"loss_sums": result.loss_sums, "counts": result.counts, "correct": result.correct,
+                "feature_loss_sum": result.feature_loss_sum}
+
     # ---- initialisation from the target ---------------------------------------------------
 
     def init_from_target(self, target_model: nn.Module) -> "DraftHead":
