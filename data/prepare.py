@@ -287,7 +287,7 @@ def _save_dataset(ds, out: Path) -> None:
     """save_to_disk into a temporary folder, then rename: a killed prepare leaves no half split."""
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    ds.save_to_disk(str(tmp))
+    ds.save_to_disk(str(tmp), num_shards=1 if len(ds) == 0 else None)  # an empty split still gets a file
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
 

@@ -190,6 +190,12 @@ def test_truncate_keeps_prefix_and_counts_empty_results(tmp_path, tiny_llama_dir
     assert info["skipped"] == {NOTHING_LEFT: 1}
     train = load_prepared(recipe.run_dir, "train")
     assert train["id"] == ["long"] and len(train[0]["input_ids"]) == 48 and train[0]["loss_mask"][-1] == 1
+    assert len(load_prepared(recipe.run_dir, "heldout")) == 0  # an empty split is still a dataset
+    from eyas.data.dump import dump
+
+    manifest = dump(recipe)
+    assert manifest["num_samples"] == 1
+    assert json.loads((recipe.run_dir / "shards" / "heldout" / "manifest.json").read_text())["num_samples"] == 0
 
 
 def test_system_prompt_added_and_heldout_split(tmp_path, tiny_llama_dir):

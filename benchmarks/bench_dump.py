@@ -1,0 +1,272 @@
+"""Dump benchmark: throughput against the bare decoder stack, bytes per token, time to first batch.
+
+Run: `python benchmarks/bench_dump.py` (about 5-8 minutes on 2 CPU cores; `--samples`/`--repeats` for more).
+
+1. Throughput, side by side on the same SmolLM2 batches (chitchat conversations, prepared once),
+   interleaved runs, medians:
+   - body:  the bare forward of the target's decoder stack (no lm_head) over pre-built padded
+            batches: the limit for any dump;
+   - eyas:  `eyas dump` (hooks, int8 encoding, shard writes with sha256, manifest, vocabulary);
+   - ohs:   the same dump path but capturing layers with `output_hidden_states=True`;
+   - naive: the full model forward with `output_hidden_states=True` (lm_head included) and each
+            sample's bf16 tensors saved with torch.save as they come (the anchors' way).
+2. Bytes per token against the anchors' layout (4 x hidden x 2 bytes), for several encodings, with
+   the reconstruction error of each against the bf16 features (relative RMS error per layer).
+3. Time to first batch (open the manifest, build the loader, read the first batch) on synthetic
+   dumps of 1,000 / 10,000 / 100,000 samples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+RESULTS = Path(__file__).parent / "results" / "bench_dump.json"
+
+
+def _recipe(root: Path, name: str, samples: int, *extra: str):
+    from eyas.config import load_recipe
+
+    return load_recipe(None, [
+        f"run.output_dir={root}", f"run.name={name}", "data.source=chitchat", f"data.max_samples={samples}",
+        "data.max_length=512", "data.heldout_fraction=0.0", "dump.token_budget=4096", "dump.shard_tokens=65536",
+        *extra,
+    ])
+
+
+def _fresh_run(root: Path, name: str, prepared: Path, samples: int, *extra: str):
+    recipe = _recipe(root, name, samples, *extra)
+    shutil.rmtree(recipe.run_dir, ignore_errors=True)
+    shutil.copytree(prepared, recipe.run_dir / "prepared")
+    return recipe
+
+
+def _batches(dataset, dump_cfg) -> list[tuple[torch.Tensor, list[int]]]:
+    """The dump's own batches (same plan), padded, built ahead of time for the baselines."""
+    from eyas.data.dump import pad_right, plan_shards, sample_lengths
+    from eyas.data.shards import budget_batches
+
+    lengths = sample_lengths(dataset)
+    out = []
+    for shard in plan_shards(lengths, dump_cfg.shard_tokens):
+        rows = dataset[[int(i) for i in shard]]["input_ids"]
+        for batch in budget_batches(np.arange(len(shard)), lengths[shard], dump_cfg.token_budget):
+            out.append((pad_right([rows[i] for i in batch]), [len(rows[i]) for i in batch]))
+    return out
+
+
+def time_body(model, batches) -> float:
+    decoder = model.get_decoder()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for ids, _ in batches:
+            decoder(input_ids=ids, use_cache=False)
+    return time.perf_counter() - start
+
+
+def time_naive(model, batches, layers: list[int], out_dir: Path) -> float:
+    """Full forward with all hidden states; each sample's tensors torch.save'd as they come."""
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.mkdir(parents=True)
+    start = time.perf_counter()
+    n = 0
+    with torch.inference_mode():
+        for ids, lengths in batches:
+            out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
+            hs = out.hidden_states
+            for b, length in enumerate(lengths):
+                torch.save({
+                    "input_ids": ids[b, :length].clone(),
+                    "aux_hidden_state": torch.cat([hs[i][b, :length] for i in layers], -1).to(torch.bfloat16),
+                    "hidden_state": hs[-1][b, :length].to(torch.bfloat16).clone(),
+                }, out_dir / f"data_{n}.ckpt")
+                n += 1
+    return time.perf_counter() - start
+
+
+def time_dump(recipe, model, tokenizer, use_output_hidden_states: bool = False) -> tuple[float, dict]:
+    from eyas.data import dump as dump_module
+
+    shutil.rmtree(recipe.run_dir / "shards", ignore_errors=True)
+    original = dump_module.HiddenCapture.__call__
+    if use_output_hidden_states:
+        def via_ohs(self, input_ids):
+            out = self.decoder(input_ids=input_ids, use_cache=False, output_hidden_states=True)
+            return [out.hidden_states[i] for i in self.aux_layers], out.last_hidden_state
+        dump_module.HiddenCapture.__call__ = via_ohs
+    try:
+        start = time.perf_counter()
+        manifest = dump_module.dump(recipe, model=model, tokenizer=tokenizer)
+        return time.perf_counter() - start, manifest
+    finally:
+        dump_module.HiddenCapture.__call__ = original
+
+
+def reconstruction_error(shard_dir: Path, reference_dir: Path, limit: int = 40) -> dict:
+    """Relative RMS error per feature block against the bf16 dump (same samples, same order)."""
+    from eyas.data.shards import ShardReader
+
+    test, ref = ShardReader(shard_dir), ShardReader(reference_dir)
+    errors: dict[str, list[float]] = {}
+    for i in range(min(limit, len(ref))):
+        a, b = test.sample(i), ref.sample(i)
+        for key in ("aux_hidden", "last_hidden"):
+            if key not in a:
+                continue
+            blocks = a[key].shape[-1] // ref.manifest["hidden_size"]
+            for j, (x, y) in enumerate(zip(a[key].chunk(blocks, -1), b[key].chunk(blocks, -1))):
+                name = f"{key}.{j}" if key == "aux_hidden" else key
+                errors.setdefault(name, []).append(float((x - y).pow(2).mean().sqrt() / y.pow(2).mean().sqrt()))
+    return {k: round(statistics.median(v), 5) for k, v in errors.items()}
+
+
+def first_batch_times(root: Path, counts: list[int], repeats: int) -> dict:
+    """Synthetic dumps of tiny samples: open + loader + first batch, median over repeats."""
+    from eyas.data.dump import finalize_split
+    from eyas.data.shards import SCHEMA_VERSION, ShardReader, TokenBudgetLoader, encode, write_shard
+
+    hidden, length, per_shard = 64, 4, 25000
+    results = {}
+    for count in counts:
+        directory = root / f"synthetic-{count}"
+        shards = [list(range(s, min(s + per_shard, count))) for s in range(0, count, per_shard)]
+        directory.mkdir(parents=True, exist_ok=True)
+        for k, ids in enumerate(shards):
+            tokens = len(ids) * length
+            feats = torch.randn(tokens, hidden)
+            write_shard(directory, k, {
+                "input_ids": torch.randint(0, 1000, (tokens,), dtype=torch.int32),
+                "loss_mask": torch.ones(tokens, dtype=torch.uint8),
+                "offsets": torch.arange(0, tokens + 1, length, dtype=torch.int64),
+                "sample_index": torch.tensor(ids, dtype=torch.int64),
+                **{f"aux_hidden.{j}{s}": t for j in range(3) for s, t in encode(feats, "int8").items()},
+                **{f"last_hidden{s}": t for s, t in encode(feats, "int8").items()},
+            }, {"shard": k})
+        header = {"schema_version": SCHEMA_VERSION, "target_identity": "synthetic", "target_path": "none",
+                  "hidden_size": hidden, "layers": [2, 3, 4], "encoding": "int8",
+                  "features": {"aux_hidden": {"layers": [2, 3, 4], "encodings": ["int8"] * 3},
+                               "last_hidden": {"encoding": "int8"}}}
+        finalize_split(directory, len(shards), header, wait=False)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            reader = ShardReader(directory, expect_identity="synthetic")
+            batch = next(iter(TokenBudgetLoader(reader, token_budget=8192, seed=0)))
+            times.append(time.perf_counter() - start)
+            assert batch["aux_hidden"].shape[-1] == 3 * hidden
+        results[count] = statistics.median(times)
+        shutil.rmtree(directory)
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=400, help="chitchat conversations read (about half have an answer)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--keep", action="store_true", help="keep the temporary run folder")
+    args = parser.parse_args()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    from eyas.config import TargetConfig
+    from eyas.data.dump import feature_spec
+    from eyas.data.prepare import load_prepared, prepare
+    from eyas.targets import load_target
+
+    root = Path(tempfile.mkdtemp(prefix="eyas-bench-dump-"))
+    model, tokenizer = load_target(TargetConfig())
+    base = _recipe(root, "base", args.samples)
+    prepare(base, tokenizer=tokenizer)
+    prepared = base.run_dir / "prepared"
+    dataset = load_prepared(base.run_dir, "train")
+    tokens = sum(len(x) for x in dataset["input_ids"])
+    batches = _batches(dataset, base.dump)
+    layers = feature_spec(base, model.config)["aux_layers"]
+    print(f"bench_dump: {len(dataset)} samples, {tokens} tokens, {len(batches)} batches; layers {layers}", flush=True)
+
+    int8 = _fresh_run(root, "int8", prepared, args.samples)
+    time_body(model, batches[:2])  # warm-up
+    runs: dict[str, list[float]] = {"body": [], "eyas": [], "ohs": [], "naive": []}
+    manifest = None
+    for r in range(args.repeats):  # interleaved, so drift on a shared machine hits all alike
+        runs["body"].append(time_body(model, batches))
+        t, manifest = time_dump(int8, model, tokenizer)
+        runs["eyas"].append(t)
+        runs["ohs"].append(time_dump(int8, model, tokenizer, use_output_hidden_states=True)[0])
+        runs["naive"].append(time_naive(model, batches, layers, root / "naive"))
+        print(f"bench_dump: repeat {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in runs.items()), flush=True)
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    naive_bytes = sum(p.stat().st_size for p in (root / "naive").iterdir())
+
+    encodings = {
+        "bf16": ["dump.encoding=bf16"],
+        "fp8": ["dump.encoding=fp8"],
+        "int8": [],
+        "int8+int4_low+topk32": ["dump.low_layer_encoding=int4", "dump.teacher=topk", "dump.topk=32"],
+        "int4_all": ["dump.encoding=int4"],
+    }
+    sizes = {}
+    anchor = 4 * model.config.hidden_size * 2
+    for name, extra in encodings.items():
+        recipe = int8 if name == "int8" else _fresh_run(root, name.replace("+", "_"), prepared, args.samples, *extra)
+        if name != "int8":
+            time_dump(recipe, model, tokenizer)
+        m = json.loads((recipe.run_dir / "shards" / "manifest.json").read_text())
+        sizes[name] = {"bytes_per_token": round(m["bytes_per_token"], 1), "ratio": round(m["bytes_per_token"] / anchor, 4),
+                       "features": list(m["features"])}
+    reference = root / "bf16" / "shards"
+    for name in encodings:
+        if name != "bf16":
+            run = "int8" if name == "int8" else name.replace("+", "_")
+            sizes[name]["rel_rms_error_vs_bf16"] = reconstruction_error(root / run / "shards", reference)
+
+    first = first_batch_times(root, [1000, 10000, 100000], repeats=5)
+
+    figures = {
+        "dump_vs_body_forward": med["body"] / med["eyas"],
+        "dump_vs_naive_dump": med["naive"] / med["eyas"],
+        "hooks_vs_output_hidden_states": med["ohs"] / med["eyas"],
+        "dump_tokens_per_s": tokens / med["eyas"],
+        "body_tokens_per_s": tokens / med["body"],
+        "bytes_per_token_ratio_int8": sizes["int8"]["ratio"],
+        "bytes_per_token_ratio_fp8": sizes["fp8"]["ratio"],
+        "bytes_per_token_ratio_compact": sizes["int8+int4_low+topk32"]["ratio"],
+        "bytes_per_token_ratio_int4_all": sizes["int4_all"]["ratio"],
+        "naive_bytes_per_token_ratio": naive_bytes / tokens / anchor,
+        "time_to_first_batch_100k_s": first[100000],
+        "time_to_first_batch_100k_vs_1k": first[100000] / first[1000],
+    }
+    units = {"dump_tokens_per_s": "tokens/s", "body_tokens_per_s": "tokens/s", "time_to_first_batch_100k_s": "s"}
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({
+        "figures": {k: round(v, 4) for k, v in figures.items()},
+        "seconds": {k: [round(x, 3) for x in v] for k, v in runs.items()},
+        "sizes": sizes, "time_to_first_batch_s": {str(k): round(v, 4) for k, v in first.items()},
+        "settings": {"target": "smollm2-135m-instruct", "samples_read": args.samples, "samples": len(dataset),
+                     "tokens": tokens, "batches": len(batches), "token_budget": base.dump.token_budget,
+                     "shard_tokens": base.dump.shard_tokens, "layers": layers, "repeats": args.repeats,
+                     "anchor_bytes_per_token": anchor, "dtype": str(next(model.parameters()).dtype)},
+        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
+                    "torch_threads": torch.get_num_threads(), "python": sys.version.split()[0],
+                    "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+                    "safetensors": __import__("safetensors").__version__},
+    }, indent=2) + "\n")
+    for name, value in figures.items():
+        print(f"BENCH {name} {value:.4g} {units.get(name, 'ratio')}")
+    if not args.keep:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
