@@ -188,8 +188,12 @@ def describe_draft_spec() -> str:
     return "a draft checkpoint directory, truncated:N (the target's first N layers) or mixture:LAM"
 
 
-def make_draft(spec: str, target, target_tokenizer, params: SamplingParams, device=None):
-    """Build a draft from a spec string: `truncated:N`, `mixture:LAM` or a checkpoint directory."""
+def make_draft(spec: str, target, target_tokenizer, params: SamplingParams, device=None,
+               target_path: str | None = None):
+    """Build a draft from a spec string: `truncated:N`, `mixture:LAM` or a checkpoint directory.
+
+    `target_path` (the target's path or alias) lets a checkpoint's recorded target identity be checked.
+    """
     spec = str(spec).strip()
     if spec.startswith("truncated:") or spec.startswith("layers:"):
         text = spec.partition(":")[2]
@@ -210,5 +214,5 @@ def make_draft(spec: str, target, target_tokenizer, params: SamplingParams, devi
     if path.is_dir():
         from eyas.eval.head_draft import load_head_draft
 
-        return load_head_draft(path, target, target_tokenizer, device)
+        return load_head_draft(path, target, target_tokenizer, device, target_path)
     raise EyasError(f"draft {spec!r} is neither an existing directory nor a known draft; give {describe_draft_spec()}")

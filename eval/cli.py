@@ -1,0 +1,171 @@
+"""`eyas eval`: speculative decoding with one or more drafts and shapes; table, JSON and plot.
+
+    eyas eval RECIPE [section.key=value ...]
+    eyas eval --target PATH --draft D [--draft D2] --prompts FILE --shapes chain:5 dynamic:depth=6,topk=8,nodes=32
+              [--temperature 0] [--top-p 1] [--top-k 0] [--max-new-tokens 128] [--max-prompts 20] [--out DIR]
+
+A draft is a checkpoint directory (eagle, eagle3, mtp from `eyas train`), `truncated:N` (the
+target's first N layers, a baseline draft) or `mixture:LAM` (a test draft of known acceptance).
+Without --draft the recipe's eval.drafts, eval.checkpoint, or the run's best checkpoint is used.
+Flags override the recipe's eval keys. Output: a terminal table, `report.json` and
+`acceptance.png` in eval.output (default `<run_dir>/eval`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import sys
+from pathlib import Path
+
+from eyas.cli import guarded, stage_parser
+from eyas.errors import EyasError
+
+
+def build_parser():
+    parser = stage_parser("eyas eval", "Speculative decoding with draft heads: acceptance per depth, tau, speedup.",
+                          recipe_required=False)
+    parser.add_argument("--target", help="target model directory or alias (overrides target.path)")
+    parser.add_argument("--draft", action="append", default=[], metavar="D",
+                        help="draft checkpoint directory, truncated:N or mixture:LAM (repeat to compare)")
+    parser.add_argument("--prompts", help="JSONL prompts (MT-bench turns, OpenAI messages) or 'heldout'")
+    parser.add_argument("--shapes", nargs="+", metavar="SHAPE",
+                        help="chain:K, tree:[[0],[1],[0,0],...], dynamic:depth=D,topk=K,nodes=N")
+    parser.add_argument("--temperature", help="0 = greedy (output identical to the target's)")
+    parser.add_argument("--top-p", dest="top_p")
+    parser.add_argument("--top-k", dest="top_k")
+    parser.add_argument("--max-new-tokens", dest="max_new_tokens")
+    parser.add_argument("--max-prompts", dest="max_prompts")
+    parser.add_argument("--out", help="output folder (overrides eval.output)")
+    parser.add_argument("--no-baseline", action="store_true", help="do not time the target alone")
+    parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def _flag_overrides(args) -> list[str]:
+    """Flags as recipe overrides, so they are validated like any recipe key."""
+    import json
+
+    out = []
+    if args.target:
+        out.append(f"target.path={args.target}")
+    if args.draft:
+        out.append("eval.drafts=" + json.dumps(args.draft))
+    if args.prompts:
+        out.append(f"eval.prompts={args.prompts}")
+    if args.shapes:
+        out.append("eval.shapes=" + json.dumps(args.shapes))
+    for key in ("temperature", "top_p", "top_k", "max_new_tokens", "max_prompts"):
+        value = getattr(args, key)
+        if value is not None:
+            out.append(f"eval.{key}={value}")
+    if args.out:
+        out.append(f"eval.output={args.out}")
+    if args.no_baseline:
+        out.append("eval.baseline=false")
+    return out
+
+
+def _draft_specs(recipe) -> list[str]:
+    if recipe.eval.drafts:
+        return [str(d) for d in recipe.eval.drafts]
+    if recipe.eval.checkpoint:
+        return [recipe.eval.checkpoint]
+    from eyas.train.checkpoint import best_checkpoint
+
+    best = best_checkpoint(recipe.run_dir)
+    if best is None:
+        raise EyasError(f"no draft to evaluate: '{recipe.run_dir}/checkpoints' has none; train one with `eyas train`, "
+                        "or pass --draft truncated:N (the target's first N layers) or --draft CHECKPOINT")
+    return [str(best)]
+
+
+def _machine(device) -> dict:
+    import torch
+    import transformers
+
+    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "device": str(device), "cpu_threads": torch.get_num_threads()}
+    if getattr(device, "type", "") == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def run(recipe, progress: bool = True, console=None) -> dict:
+    """Evaluate a resolved recipe; writes report.json + acceptance.png and returns the report."""
+    from eyas import __version__
+    from eyas.config import check_against_target, save_resolved
+    from eyas.eval.drafts import make_draft
+    from eyas.eval.prompts import load_prompts
+    from eyas.eval.report import plot, print_report, write_json
+    from eyas.eval.runner import encode_prompts, evaluate
+    from eyas.eval.tree import parse_shape
+    from eyas.eval.verify import SamplingParams
+    from eyas.targets import load_target, resolve_target_path
+
+    ev = recipe.eval
+    shapes = [parse_shape(s) for s in ev.shapes]          # bad input fails before anything loads
+    params = SamplingParams(ev.temperature, ev.top_p, ev.top_k)
+    specs = _draft_specs(recipe)
+    run_dir = recipe.run_dir if ev.prompts == "heldout" else None
+    prompts, skipped = load_prompts(ev.prompts, run_dir, ev.max_prompts)
+    target, tokenizer = load_target(recipe.target)
+    check_against_target(recipe, target.config)
+    drafts = [make_draft(s, target, tokenizer, params, target_path=recipe.target.path) for s in specs]
+    encoded, too_long = encode_prompts(prompts, tokenizer, target, ev.max_new_tokens, max(s.max_nodes for s in shapes))
+    skipped.update(too_long)
+    if not encoded:
+        raise EyasError(f"all {len(prompts)} prompts are longer than the target's context allows with "
+                        f"eval.max_new_tokens={ev.max_new_tokens}; lower it or use shorter prompts")
+    results = evaluate(target, tokenizer, drafts, shapes, encoded, params, ev.max_new_tokens,
+                       seed=recipe.run.seed, baseline=ev.baseline, progress=progress)
+    report = {
+        "eyas_version": __version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "target": {"name": recipe.target.path, "path": str(resolve_target_path(recipe.target.path)),
+                   "dtype": str(target.dtype).replace("torch.", ""), "num_hidden_layers": target.config.num_hidden_layers,
+                   "vocab_size": target.config.vocab_size},
+        "settings": {"temperature": ev.temperature, "top_p": ev.top_p, "top_k": ev.top_k,
+                     "max_new_tokens": ev.max_new_tokens, "seed": recipe.run.seed, "prompts": ev.prompts,
+                     "prompts_loaded": len(prompts), "prompts_used": len(encoded), "skipped": skipped,
+                     "drafts": specs, "shapes": [s.spec for s in shapes], "baseline": ev.baseline},
+        "machine": _machine(target.device),
+        "definitions": {
+            "alpha": "alpha[d-1] = P(draft token d accepted | tokens 1..d-1 accepted)",
+            "cumulative": "cumulative[d-1] = P(at least d draft tokens accepted in a verify)",
+            "tau": "mean tokens produced per target verify, counting the bonus token (plain decoding = 1)",
+            "tau_from_alpha": "1 + sum_d prod_{j<=d} alpha_j",
+            "tau_iid": "(1 - a^(K+1)) / (1 - a) with a = all accepts / all attempts (chains)",
+            "speedup": "tokens/s over the target alone (HF generate with KV cache), same prompts, same run",
+        },
+        **results,
+        "recipe": recipe.to_dict(),
+    }
+    out_dir = Path(ev.output) if ev.output else recipe.run_dir / "eval"
+    report["files"] = {"json": str(out_dir / "report.json"), "plot": str(out_dir / "acceptance.png")}
+    write_json(report, out_dir / "report.json")
+    plot(report, out_dir / "acceptance.png")
+    save_resolved(recipe, out_dir)
+    print_report(report, console)
+    print(f"wrote {out_dir / 'report.json'} and {out_dir / 'acceptance.png'}")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+
+    def body() -> int:
+        from eyas.config import load_recipe
+
+        recipe_path, overrides = args.recipe, list(args.overrides)
+        if recipe_path and "=" in recipe_path and not Path(recipe_path).is_file():
+            recipe_path, overrides = None, [recipe_path] + overrides  # `eyas eval --target T key=value`
+        recipe = load_recipe(recipe_path, overrides + _flag_overrides(args))
+        run(recipe, progress=not args.no_progress)
+        return 0
+
+    return guarded(body, args.debug)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Eval prompts: MT-bench / Spec-Bench JSONL, OpenAI messages, or the recipe's held-out split.
+
+Accepted rows (JSONL, one object per line, or a JSON list of objects):
+  {"turns": ["first user turn", ...], "category": "writing"}   MT-bench / Spec-Bench: the first
+                                                                turn is the prompt
+  {"messages": [{"role": "user", "content": "..."}, ...]}      OpenAI: the conversation up to its
+                                                                last user turn
+  {"prompt": "..."}                                              a bare user prompt
+An optional "category" (or "question_id"/"id") is kept for the per-category breakdown.
+Held-out rows (`eyas prepare`'s `heldout` split) carry `messages`, cut the same way.
+Prompts are rendered with the target's chat template and its generation prompt.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eyas.errors import EyasError
+
+
+@dataclass
+class Prompt:
+    id: str
+    category: str
+    messages: list[dict]
+
+
+def _until_last_user(messages: list[dict]) -> list[dict] | None:
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
+    if last is None:
+        return None
+    return [{"role": m["role"], "content": m["content"]} for m in messages[: last + 1]]
+
+
+def prompt_from_row(row: Any, index: int, default_category: str = "all") -> Prompt | None:
+    """One prompt from a row in any accepted form; None when the row has no user prompt."""
+    if not isinstance(row, dict):
+        return None
+    row_id = str(row.get("question_id", row.get("id", index)))
+    category = str(row.get("category") or default_category)
+    messages = None
+    turns = row.get("turns")
+    if isinstance(turns, list) and turns and isinstance(turns[0], str) and turns[0].strip():
+        messages = [{"role": "user", "content": turns[0]}]
+    elif isinstance(row.get("messages"), list):
+        msgs = row["messages"]
+        if all(isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m for m in msgs):
+            messages = _until_last_user(msgs)
+    elif isinstance(row.get("prompt"), str) and row["prompt"].strip():
+        messages = [{"role": "user", "content": row["prompt"]}]
+    if not messages:
+        return None
+    return Prompt(row_id, category, messages)
+
+
+def _read_file(path: Path) -> list[Any]:
+    text = path.read_text()
+    if not text.strip():
+        raise EyasError(f"prompt file '{path}' is empty; give JSONL rows like {{\"turns\": [\"...\"], \"category\": \"...\"}}")
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise EyasError(f"prompt file '{path}' is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        return rows if isinstance(rows, list) else [rows]
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            rows.append(None)  # counted as unusable below
+    return rows
+
+
+def load_prompts(source: str, run_dir: str | Path | None = None, max_prompts: int = 0
+                 ) -> tuple[list[Prompt], dict[str, int]]:
+    """Prompts from `source` ('heldout' or a file) -> (prompts, skipped count by reason)."""
+    skipped: dict[str, int] = {}
+    if source == "heldout":
+        if run_dir is None:
+            raise EyasError("eval.prompts=heldout needs a recipe (its run directory holds the held-out split); "
+                            "pass --prompts FILE instead")
+        rows = list(_heldout_rows(run_dir))
+        default_category, where = "heldout", f"the held-out split of '{run_dir}'"
+    else:
+        path = Path(source).expanduser()
+        if not path.is_file():
+            raise EyasError(f"prompt file '{source}' does not exist; give a JSONL file or 'heldout'")
+        rows = _read_file(path)
+        default_category, where = "all", f"prompt file '{source}'"
+    prompts = []
+    for index, row in enumerate(rows):
+        prompt = prompt_from_row(row, index, default_category)
+        if prompt is None:
+            skipped["no user prompt in row"] = skipped.get("no user prompt in row", 0) + 1
+            continue
+        prompts.append(prompt)
+        if max_prompts and len(prompts) >= max_prompts:
+            break
+    if not prompts:
+        raise EyasError(f"{where} has no usable prompts ({sum(skipped.values())} rows without a user turn); "
+                        "rows need 'turns', 'messages' or 'prompt'")
+    return prompts, skipped
+
+
+def _heldout_rows(run_dir: str | Path):
+    try:
+        from eyas.data.prepare import load_prepared
+    except ImportError:  # the data stage is not installed: read the split directly
+        load_prepared = None
+    if load_prepared is not None:
+        dataset = load_prepared(run_dir, "heldout")
+    else:
+        from datasets import load_from_disk
+
+        path = Path(run_dir) / "prepared" / "heldout"
+        if not path.is_dir():
+            raise EyasError(f"no prepared data at '{path}'; run `eyas prepare RECIPE` first")
+        dataset = load_from_disk(str(path))
+    for row in dataset:
+        yield {"id": row.get("id"), "messages": row.get("messages")}
+
+
+def render(prompt: Prompt, tokenizer) -> list[int]:
+    """Token ids of the prompt through the chat template, ending with the assistant's generation prompt."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=False)
+    else:
+        text = "\n".join(m["content"] for m in prompt.messages) + "\n"
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

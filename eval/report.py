@@ -1,0 +1,141 @@
+"""The eval report as a terminal table (rich), JSON (the DESIGN.md contract) and a PNG plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+MAX_ALPHA_COLUMNS = 7
+
+
+def _fmt(value, digits: int = 2, suffix: str = "") -> str:
+    if value is None:
+        return "-"
+    return f"{value:.{digits}f}{suffix}"
+
+
+def _split(time: dict) -> str:
+    """Shares of wall time in percent: draft / target / decoder bookkeeping."""
+    parts = (time["draft_frac"], time["target_frac"], time["bookkeeping_frac"])
+    return "-" if None in parts else "/".join(f"{100 * p:.0f}" for p in parts) + "%"
+
+
+def main_table(report: dict):
+    from rich.table import Table
+
+    configs = report["configs"]
+    depth = min(max((len(c["overall"]["alpha"]) for c in configs), default=0), MAX_ALPHA_COLUMNS)
+    settings = report["settings"]
+    title = (f"speculative decoding on {report['target']['name']}: T={settings['temperature']:g}, "
+             f"{settings['prompts_used']} prompts x {settings['max_new_tokens']} new tokens")
+    table = Table(title=title, title_justify="left")
+    for name in ("draft", "shape", "tau", "tau(alpha)"):
+        table.add_column(name, justify="left" if name in ("draft", "shape") else "right")
+    for d in range(1, depth + 1):
+        table.add_column(f"a{d}", justify="right")
+    for name in ("cum@K", "nodes", "tok/s", "speedup", "draft/target/other"):
+        table.add_column(name, justify="right")
+    if settings["temperature"] == 0 and report.get("baseline"):
+        table.add_column("=greedy", justify="right")
+    base = report.get("baseline")
+    if base:
+        row = ["target alone", "-", "1.00", "-"] + ["-"] * depth + ["-", "-", _fmt(base["overall"]["tokens_per_s"], 1),
+                                                                   "1.00x", "-"]
+        if settings["temperature"] == 0:
+            row.append("-")
+        table.add_row(*row, style="dim")
+    for config in configs:
+        s = config["overall"]
+        alphas = (s["alpha"] + [None] * depth)[:depth]
+        cum = next((c for c in reversed(s["cumulative"]) if c is not None), None)
+        row = [config["draft"], config["shape"], _fmt(s["tau"]), _fmt(s["tau_from_alpha"])]
+        row += [_fmt(a) for a in alphas]
+        row += [_fmt(cum), _fmt(s["mean_tree_nodes"], 1), _fmt(s["tokens_per_s"], 1), _fmt(s["speedup"], 2, "x"),
+                _split(s["time"])]
+        if settings["temperature"] == 0 and base:
+            match = s.get("greedy_match")
+            row.append(f"{match['matched']}/{match['compared']}" if match else "-")
+        table.add_row(*row)
+    return table
+
+
+def category_table(report: dict):
+    from rich.table import Table
+
+    categories = sorted({cat for c in report["configs"] for cat in c["per_category"]})
+    table = Table(title="per category: tau (speedup)", title_justify="left")
+    table.add_column("draft / shape", no_wrap=True)
+    for cat in categories:
+        table.add_column(cat, justify="right")
+    for config in report["configs"]:
+        cells = []
+        for cat in categories:
+            s = config["per_category"].get(cat)
+            cells.append("-" if s is None else f"{_fmt(s['tau'])} ({_fmt(s['speedup'], 2, 'x')})")
+        table.add_row(config["label"], *cells)
+    return table
+
+
+def print_report(report: dict, console=None) -> None:
+    from rich.console import Console
+
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # logs and pipes: wide enough for the whole table
+            console = Console(width=200)
+    console.print(main_table(report))
+    categories = {cat for c in report["configs"] for cat in c["per_category"]}
+    if len(categories) > 1:
+        console.print(category_table(report))
+    skipped = report["settings"].get("skipped") or {}
+    if skipped:
+        console.print("skipped prompts: " + ", ".join(f"{n} {reason}" for reason, n in skipped.items()))
+    console.print("tau = tokens per target verify incl. the bonus token; a_d = P(accept d | 1..d-1 accepted); "
+                  "cum@K = P(all K accepted); "
+                  "draft/target/other = shares of wall time (other = decoder bookkeeping)")
+
+
+def write_json(report: dict, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2, default=str))
+    tmp.replace(path)
+    return path
+
+
+def plot(report: dict, path: str | Path) -> Path:
+    """alpha_d and cumulative acceptance against depth, one line per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, (ax_alpha, ax_cum) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for config in report["configs"]:
+        s = config["overall"]
+        label = f"{config['label']} (tau {_fmt(s['tau'])})"
+        depths = list(range(1, len(s["alpha"]) + 1))
+        alpha = [a if a is not None else float("nan") for a in s["alpha"]]
+        cum = [c if c is not None else float("nan") for c in s["cumulative"]]
+        ax_alpha.plot(depths, alpha, marker="o", label=label)
+        ax_cum.plot(depths, cum, marker="o", label=label)
+    ax_alpha.set_title("alpha_d = P(accept d | accepted 1..d-1)")
+    ax_cum.set_title("cumulative: P(at least d accepted)")
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in (ax_alpha, ax_cum):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("draft depth d")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    ax_cum.legend(fontsize=7, loc="upper right")
+    settings = report["settings"]
+    fig.suptitle(f"{report['target']['name']}  T={settings['temperature']:g}  "
+                 f"{settings['prompts_used']} prompts", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,121 @@
+"""Run several drafts x shapes over the same prompts, interleaved with the target alone.
+
+For each prompt: the target alone (HF `generate` with its KV cache) is timed first, then
+every configuration decodes the same prompt; interleaving keeps slow drifts of a shared
+machine from favouring whichever ran first. A short untimed warm-up runs each path once.
+At T=0 every speculative output is also compared with the target's own greedy output.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from eyas.eval.decoder import SpeculativeDecoder, eos_ids_of, max_context, target_generate
+from eyas.eval.metrics import BaselineTally, Tally, summarize
+from eyas.eval.prompts import Prompt, render
+from eyas.eval.tree import Shape
+from eyas.eval.verify import SamplingParams
+
+
+@dataclass
+class EncodedPrompt:
+    prompt: Prompt
+    ids: list[int]
+
+
+@dataclass
+class Config:
+    draft: object
+    shape: Shape
+    decoder: SpeculativeDecoder
+    overall: Tally = field(default_factory=Tally)
+    per_category: dict = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"{self.draft.name} {self.shape.spec}"
+
+
+def encode_prompts(prompts: list[Prompt], tokenizer, target, max_new_tokens: int, max_nodes: int
+                   ) -> tuple[list[EncodedPrompt], dict[str, int]]:
+    """Render prompts; those that cannot fit prompt + generation + one verify tree are skipped and counted."""
+    limit = max_context(target)
+    kept, skipped = [], {}
+    for prompt in prompts:
+        ids = render(prompt, tokenizer)
+        if len(ids) + max_new_tokens + max_nodes + 1 > limit:
+            reason = f"longer than the context ({limit} tokens) with {max_new_tokens} new tokens"
+            skipped[reason] = skipped.get(reason, 0) + 1
+            continue
+        kept.append(EncodedPrompt(prompt, ids))
+    return kept, skipped
+
+
+def _clock(device) -> float:
+    if getattr(device, "type", "cpu") == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def evaluate(target, tokenizer, drafts: list, shapes: list[Shape], prompts: list[EncodedPrompt],
+             params: SamplingParams, max_new_tokens: int, seed: int = 0, baseline: bool = True,
+             progress: bool = True) -> dict:
+    """Decode every prompt with every draft x shape (and the target alone); return summaries."""
+    from tqdm.auto import tqdm
+
+    eos = eos_ids_of(target, tokenizer)
+    configs = [Config(d, s, SpeculativeDecoder(target, d, s, params, eos, seed=seed)) for d in drafts for s in shapes]
+    base_all, base_cat = BaselineTally(), {}
+    if prompts:  # untimed warm-up of every path (first-call allocations, kernel selection)
+        target_generate(target, prompts[0].ids, min(8, max_new_tokens), params, eos, seed)
+        for config in configs:
+            config.decoder.generate(prompts[0].ids, min(8, max_new_tokens))
+    total = len(prompts) * (len(configs) + int(baseline))
+    bar = tqdm(total=total, desc="eval", unit="decode", disable=not progress, dynamic_ncols=True)
+    for index, item in enumerate(prompts):
+        category = item.prompt.category
+        reference = None
+        if baseline:
+            start = _clock(target.device)
+            reference = target_generate(target, item.ids, max_new_tokens, params, eos, seed + index)
+            seconds = _clock(target.device) - start
+            base_all.add(len(reference), seconds)
+            base_cat.setdefault(category, BaselineTally()).add(len(reference), seconds)
+            bar.update(1)
+        for config in configs:
+            result = config.decoder.generate(item.ids, max_new_tokens)
+            ref = reference if (params.greedy and reference is not None) else None
+            config.overall.add(result, ref)
+            config.per_category.setdefault(category, Tally()).add(result, ref)
+            bar.update(1)
+        if configs:
+            bar.set_postfix(tau=f"{1 + configs[0].overall.accepted / max(configs[0].overall.rounds, 1):.2f}")
+    bar.close()
+    return {
+        "baseline": _baseline_summary(base_all, base_cat) if baseline else None,
+        "configs": [_config_summary(c, base_all if baseline else None, base_cat) for c in configs],
+    }
+
+
+def _baseline_summary(overall: BaselineTally, per_category: dict) -> dict:
+    def one(t: BaselineTally) -> dict:
+        return {"prompts": t.prompts, "tokens": t.tokens, "seconds": t.seconds, "tokens_per_s": t.tokens_per_s}
+
+    return {"overall": one(overall), "per_category": {k: one(v) for k, v in sorted(per_category.items())}}
+
+
+def _config_summary(config: Config, baseline: BaselineTally | None, base_cat: dict) -> dict:
+    depth, chain = config.shape.depth, config.shape.kind == "chain"
+    return {
+        "draft": config.draft.name,
+        "shape": config.shape.spec,
+        "label": config.label,
+        "overall": summarize(config.overall, depth, chain, baseline),
+        "per_category": {
+            cat: summarize(t, depth, chain, base_cat.get(cat) if baseline else None)
+            for cat, t in sorted(config.per_category.items())
+        },
+    }
