@@ -157,6 +157,12 @@ class EvalConfig:
     top_k: int = _doc("Top-k sampling, applied to target and draft alike (0: off).", 0)
     baseline: bool = _doc("Also time the target alone for the speedup column.", True)
     checkpoint: str = _doc("Draft checkpoint (empty: the run's best checkpoint).", "")
+    drafts: list = _doc(
+        "Drafts compared: checkpoint directories, `truncated:N` (the target's first N layers) or `mixture:LAM` "
+        "(a test draft of known acceptance); empty: eval.checkpoint.",
+        factory=list,
+    )
+    output: str = _doc("Folder for report.json and acceptance.png (empty: `<run_dir>/eval`).", "")
 
 
 @dataclass
