@@ -44,3 +44,35 @@ def synthetic_batch(hidden: int = 64, vocab: int = 384, batch: int = 2, seq: int
 
 def draft_cfg(kind: str, **kw) -> DraftConfig:
     return DraftConfig(kind=kind, **kw)
+
+
+def make_workspace(root, target, rows: int = 48) -> dict:
+    """Prepare and dump `rows` chitchat conversations on a tiny target (bf16, eagle3 layers + last hidden)."""
+    import json
+
+    from eyas.config import load_recipe
+    from eyas.data.dump import dump
+    from eyas.data.prepare import prepare
+    from eyas.data.sources import chitchat_rows
+
+    picked = [r for r in chitchat_rows() if any(m["role"] == "assistant" for m in r["messages"])][:rows]
+    (root / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in picked) + "\n")
+    recipe = load_recipe(None, [
+        f"target.path={target}", f"run.output_dir={root}", "dump.draft_vocab_size=128",
+        f"data.source={root / 'rows.jsonl'}", "data.max_length=96", "data.heldout_fraction=0.1",
+        "dump.shard_tokens=2000", "dump.token_budget=400", "dump.encoding=bf16", "run.name=base"])
+    prepare(recipe)
+    dump(recipe)
+    return {"root": root, "target": target}
+
+
+def new_run(ws: dict, name: str):
+    """A fresh run directory sharing the workspace's shards and prepared data (symlinks)."""
+    import shutil
+
+    run = ws["root"] / name
+    shutil.rmtree(run, ignore_errors=True)
+    run.mkdir()
+    for part in ("shards", "prepared"):
+        (run / part).symlink_to(ws["root"] / "base" / part)
+    return run

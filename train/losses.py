@@ -24,8 +24,11 @@ from eyas.config import parse_loss_mix
 
 
 def _xlogy_ratio(p: torch.Tensor, logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
-    """sum over vocab of p (log p - log q), with 0 log 0 = 0 (sparse top-k teachers have p = 0)."""
-    return torch.where(p > 0, p * (logp - logq), torch.zeros_like(p)).sum(-1)
+    """sum over vocab of p (log p - log q), with 0 log 0 = 0 (sparse top-k teachers have log p = -inf).
+
+    Only exact -inf entries are zeroed: a NaN teacher must make the loss NaN, never 0.
+    """
+    return torch.where(torch.isneginf(logp), torch.zeros_like(p), p * (logp - logq)).sum(-1)
 
 
 def forward_kl(teacher_logp: torch.Tensor, draft_logq: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,127 @@
+"""Multi-process training on CPU (slow): 2-process DDP equals 1 process on the same global batch,
+2-process DeepSpeed ZeRO-2 trains, and a real SIGTERM checkpoints, exits 0 and resumes exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from train_helpers import make_workspace, new_run
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory, tiny_llama_dir):
+    ws = make_workspace(tmp_path_factory.mktemp("traindist"), tiny_llama_dir)
+    recipe = {
+        "target": {"path": str(tiny_llama_dir)},
+        "run": {"output_dir": str(ws["root"])},
+        "dump": {"draft_vocab_size": 128},
+        "train": {"token_budget": 400, "max_steps": 4, "ttt_steps": 3, "save_every": 0, "eval_every": 0,
+                  "log_every": 1, "warmup_steps": 1, "lr": 1e-3, "eval_batches": 2},
+    }
+    ws["recipe"] = ws["root"] / "recipe.yaml"
+    ws["recipe"].write_text(yaml.safe_dump(recipe))
+    return ws
+
+
+def _env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _launch(args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
+    proc = subprocess.run(args, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def _log(run: Path) -> list[dict]:
+    return [r for r in map(json.loads, (run / "logs" / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+
+
+def _final_weights(run: Path) -> dict:
+    from eyas.train.checkpoint import latest_checkpoint
+
+    return load_file(str(latest_checkpoint(run / "checkpoints") / "model.safetensors"))
+
+
+def test_ddp_two_processes_equal_one_process(workspace):
+    one, two = new_run(workspace, "one_proc"), new_run(workspace, "two_procs")
+    _launch([sys.executable, "-m", "eyas.train", str(workspace["recipe"]), "run.name=one_proc", "train.grad_accum=2"])
+    _launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "eyas.train",
+             str(workspace["recipe"]), "run.name=two_procs"])
+    a, b = _log(one), _log(two)
+    assert [r["tokens"] for r in a] == [r["tokens"] for r in b]  # the same global batches
+    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-5)
+    wa, wb = _final_weights(one), _final_weights(two)
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert not torch.equal(wa["fc.weight"], _initial_fc(workspace))  # it did train
+
+
+def _initial_fc(workspace) -> torch.Tensor:
+    """fc.weight as the head starts (same seed): proves the comparison is not between two untrained heads."""
+    from accelerate.utils import set_seed
+
+    from eyas.config import DraftConfig
+    from eyas.data.vocab import load_vocab
+    from eyas.targets import load_target_config
+    from eyas.train.heads import build_head
+
+    set_seed(0)
+    config = load_target_config(str(workspace["target"]))
+    d2t = load_vocab(workspace["root"] / "base" / "shards")[0]
+    return build_head(DraftConfig(), config, [2, 3, 3], d2t).fc.weight.detach()
+
+
+def test_deepspeed_zero2_two_processes_trains(workspace):
+    run = new_run(workspace, "zero2")
+    proc = _launch(["accelerate", "launch", "--config_file", str(REPO / "recipes/accelerate/deepspeed_zero2.yaml"),
+                    "--num_processes", "2", "-m", "eyas.train", str(workspace["recipe"]), "run.name=zero2",
+                    "train.max_steps=8"], timeout=400)
+    assert "8 steps of 2 x 1 x 400 tokens" in proc.stdout + proc.stderr
+    state = run / "checkpoints" / "step_00000008" / "state"
+    assert (state / "pytorch_model" / "mp_rank_00_model_states.pt").is_file()  # a DeepSpeed checkpoint
+    losses = [r["loss"] for r in _log(run)]
+    assert len(losses) == 8 and sum(losses[-3:]) / 3 < 0.5 * losses[0]
+
+
+def test_sigterm_checkpoints_exits_zero_and_resumes_exactly(workspace):
+    total = 60
+    args = [sys.executable, "-m", "eyas.train", str(workspace["recipe"]), f"train.max_steps={total}",
+            "train.save_every=0", "train.eval_every=0"]
+    reference = new_run(workspace, "no_signal")
+    _launch(args + ["run.name=no_signal"])
+    run = new_run(workspace, "preempted")
+    proc = subprocess.Popen(args + ["run.name=preempted"], cwd=REPO, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run / "logs" / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    saved = [int(p.name.split("_")[1]) for p in (run / "checkpoints").glob("step_*")]
+    assert len(saved) == 1 and 2 <= saved[0] < total, saved
+    assert "SIGTERM at step" in out + err
+    _launch(args + ["run.name=preempted"])
+    assert [r["step"] for r in _log(run)] == list(range(1, total + 1))
+    wa, wb = _final_weights(reference), _final_weights(run)
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name

@@ -1,0 +1,181 @@
+"""The training loop on a tiny target with real shards: resume exactness, kinds, online source,
+refusals, NaN stop, best/last checkpoints, loggers. Multi-process runs are in test_train_distributed.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eyas.config import load_recipe
+from eyas.errors import EyasError
+from eyas.train.checkpoint import list_checkpoints, load_draft
+from eyas.train.data import check_shards_fit
+from eyas.train.loop import train
+from train_helpers import make_workspace, new_run
+
+ROWS = 48
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory, tiny_llama_dir):
+    """48 chitchat conversations prepared and dumped (bf16, eagle3 layers + last hidden) once."""
+    return make_workspace(tmp_path_factory.mktemp("trainloop"), tiny_llama_dir, ROWS)
+
+
+def _base(root: Path, target: Path) -> list[str]:
+    return [f"target.path={target}", f"run.output_dir={root}", "dump.draft_vocab_size=128"]
+
+
+def _recipe(ws, name: str, *extra: str):
+    """A fresh run `name` sharing the workspace's shards and prepared data."""
+    new_run(ws, name)
+    return _same(ws, name, *extra)
+
+
+def _same(ws, name: str, *extra: str):
+    """The recipe of an existing run (to resume it)."""
+    return load_recipe(None, _base(ws["root"], ws["target"]) + [
+        f"run.name={name}", "train.token_budget=400", "train.max_steps=6", "train.ttt_steps=3",
+        "train.save_every=2", "train.eval_every=3", "train.eval_batches=2", "train.log_every=1",
+        "train.warmup_steps=2", "train.lr=1e-3", *extra])
+
+
+def _weights(checkpoint: Path) -> dict:
+    return load_file(str(checkpoint / "model.safetensors"))
+
+
+def _train_log(run_dir: Path, kind: str = "train") -> list[dict]:
+    lines = (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def test_killed_and_resumed_equals_uninterrupted(workspace):
+    full = train(_recipe(workspace, "uninterrupted"))
+    assert full["outcome"] == "done" and full["step"] == 6
+    first = train(_recipe(workspace, "killed"), stop_at_step=3)
+    assert first["outcome"] == "stop_at_step" and first["step"] == 3
+    assert [p.name for p in list_checkpoints(workspace["root"] / "killed" / "checkpoints")] == \
+        ["step_00000002", "step_00000003"]
+    second = train(_same(workspace, "killed"))
+    assert second["step"] == 6
+    steps = [r["step"] for r in _train_log(workspace["root"] / "killed")]
+    assert steps == [1, 2, 3, 4, 5, 6]  # the second run started at step 4: it resumed
+    a, b = _weights(full["checkpoint"]), _weights(second["checkpoint"])
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    # the resumed run logged the same losses as the uninterrupted one
+    assert [r["loss"] for r in _train_log(workspace["root"] / "killed")] == \
+        [r["loss"] for r in _train_log(workspace["root"] / "uninterrupted")]
+
+
+def test_best_and_last_checkpoints(workspace):
+    result = train(_recipe(workspace, "keep", "train.max_steps=7", "train.eval_every=2", "train.keep_last=2"))
+    ckpts = workspace["root"] / "keep" / "checkpoints"
+    assert [p.name for p in list_checkpoints(ckpts)] == ["step_00000006", "step_00000007"]
+    evals = _train_log(workspace["root"] / "keep", "eval")
+    assert [e["step"] for e in evals] == [2, 4, 6, 7]
+    best = max(evals, key=lambda e: e["sim_accept"])
+    head, meta = load_draft(ckpts / "best")
+    assert meta["step"] == best["step"] and meta["eval"]["sim_accept"] == pytest.approx(best["sim_accept"])
+    assert result["best_sim_accept"] == pytest.approx(best["sim_accept"])
+    for e in evals:  # simulated acceptance is the sum of running products of the step accuracies
+        run, total = 1.0, 0.0
+        for k in range(3):
+            run *= e[f"acc_{k}"]
+            total += run
+        assert e["sim_accept"] == pytest.approx(total)
+    assert head.kind == "eagle3" and head.d2t is not None and head.lm_head.weight.shape[0] == 128
+
+
+@pytest.mark.parametrize("kind", ["eagle", "mtp"])
+def test_other_kinds_train(workspace, kind):
+    result = train(_recipe(workspace, f"kind_{kind}", f"draft.kind={kind}", "draft.num_steps=3",
+                           "train.max_steps=8", "train.eval_every=0"))
+    losses = [r["loss"] for r in _train_log(workspace["root"] / f"kind_{kind}")]
+    assert len(losses) == 8 and losses[-1] < 0.7 * losses[0]
+    head, _ = load_draft(result["checkpoint"])
+    assert head.kind == kind and head.d2t is None
+    if kind == "eagle":
+        assert "feature_loss" in _train_log(workspace["root"] / "kind_eagle")[0]
+
+
+def test_online_source_matches_shards(workspace):
+    """One batch holding every sample: online features = dumped bf16 features up to rounding."""
+    common = ("train.max_steps=1", "train.token_budget=5000", "train.eval_every=0", "train.save_every=0")
+    shards = train(_recipe(workspace, "from_shards", *common))
+    online = train(_recipe(workspace, "online", "train.source=online", *common))
+    a = _train_log(workspace["root"] / "from_shards")[0]
+    b = _train_log(workspace["root"] / "online")[0]
+    assert a["tokens"] == b["tokens"]
+    assert b["loss"] == pytest.approx(a["loss"], rel=2e-3)
+    assert shards["step"] == online["step"] == 1
+
+
+def test_nan_loss_stops_with_step_batch_and_checkpoint(workspace, monkeypatch):
+    from eyas.train import losses
+
+    real = losses.Teacher.logprobs
+    calls = {"n": 0}
+
+    def poisoned(self, last_hidden):
+        calls["n"] += 1
+        out = real(self, last_hidden)
+        return out * float("nan") if calls["n"] == 4 else out
+
+    monkeypatch.setattr(losses.Teacher, "logprobs", poisoned)
+    with pytest.raises(EyasError) as err:
+        train(_recipe(workspace, "nan", "train.eval_every=0"))
+    message = str(err.value)
+    assert "non-finite loss at step 4" in message and "data epoch 0 batch 4" in message
+    assert "step_00000002" in message  # the last good checkpoint (saved every 2 steps)
+
+
+def test_refuses_shards_that_do_not_fit(workspace):
+    manifest = json.loads((workspace["root"] / "base" / "shards" / "manifest.json").read_text())
+    layers = check_shards_fit(manifest, "eagle3", 64, [], Path("x"))
+    assert layers == manifest["layers"]
+    with pytest.raises(EyasError, match="hold hidden size 64, the target has 32"):
+        check_shards_fit(manifest, "eagle3", 32, [], Path("x"))
+    with pytest.raises(EyasError, match=r"recipe dump.layers is \[1, 2, 3\]"):
+        check_shards_fit(manifest, "eagle3", 64, [1, 2, 3], Path("x"))
+    no_aux = dict(manifest, features={k: v for k, v in manifest["features"].items() if k != "aux_hidden"})
+    no_aux["draft_kind"] = "eagle"
+    with pytest.raises(EyasError, match="eagle3 needs the three fused layers"):
+        check_shards_fit(no_aux, "eagle3", 64, [], Path("x"))
+    assert check_shards_fit(no_aux, "mtp", 64, [], Path("x")) == manifest["layers"]
+    # end to end: a run whose shards lack the layers stops before any step
+    run = workspace["root"] / "misfit"
+    shutil.rmtree(run, ignore_errors=True)
+    shutil.copytree(workspace["root"] / "base" / "shards", run / "shards")
+    (run / "shards" / "manifest.json").write_text(json.dumps(no_aux))
+    with pytest.raises(EyasError, match="eagle3 needs the three fused layers"):
+        train(_same(workspace, "misfit"))
+    assert not (run / "checkpoints").exists()
+
+
+def test_incompatible_resume_says_what_differs(workspace):
+    train(_recipe(workspace, "changed", "train.max_steps=2", "train.eval_every=0"))
+    with pytest.raises(EyasError, match="intermediate_size: checkpoint 128 vs this run 32"):
+        train(_same(workspace, "changed", "train.max_steps=4", "draft.intermediate_size=32"))
+    fresh = train(_same(workspace, "changed", "train.max_steps=2", "draft.intermediate_size=32",
+                        "train.resume=false", "train.eval_every=0"))
+    assert fresh["step"] == 2
+
+
+@pytest.mark.parametrize("logger", ["wandb", "tensorboard"])
+def test_logger_files_written(workspace, logger, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    train(_recipe(workspace, f"log_{logger}", f"train.logger={logger}", "train.max_steps=2", "train.eval_every=0"))
+    logs = workspace["root"] / f"log_{logger}" / "logs"
+    if logger == "wandb":
+        runs = list((logs / "wandb").glob("offline-run-*"))
+        assert len(runs) == 1 and list(runs[0].glob("run-*.wandb"))
+    else:
+        assert list((logs / "tensorboard").rglob("events.out.tfevents.*"))
+    assert len(_train_log(workspace["root"] / f"log_{logger}")) == 2
