@@ -1,6 +1,7 @@
 """Dump benchmark: throughput against the bare decoder stack, bytes per token, time to first batch.
 
-Run: `python benchmarks/bench_dump.py` (about 5-8 minutes on 2 CPU cores; `--samples`/`--repeats` for more).
+Run: `python benchmarks/bench_dump.py` (about 5 minutes on 2 idle CPU cores, where SmolLM2 runs at a
+few hundred tokens/s; `--samples`, `--max-length`, `--repeats` for a longer run).
 
 1. Throughput, side by side on the same SmolLM2 batches (chitchat conversations, prepared once),
    interleaved runs, medians:
@@ -35,18 +36,18 @@ import torch
 RESULTS = Path(__file__).parent / "results" / "bench_dump.json"
 
 
-def _recipe(root: Path, name: str, samples: int, *extra: str):
+def _recipe(root: Path, name: str, samples: int, max_length: int, *extra: str):
     from eyas.config import load_recipe
 
     return load_recipe(None, [
         f"run.output_dir={root}", f"run.name={name}", "data.source=chitchat", f"data.max_samples={samples}",
-        "data.max_length=512", "data.heldout_fraction=0.0", "dump.token_budget=4096", "dump.shard_tokens=65536",
-        *extra,
+        f"data.max_length={max_length}", "data.heldout_fraction=0.0", "dump.token_budget=2048",
+        "dump.shard_tokens=65536", *extra,
     ])
 
 
-def _fresh_run(root: Path, name: str, prepared: Path, samples: int, *extra: str):
-    recipe = _recipe(root, name, samples, *extra)
+def _fresh_run(root: Path, name: str, prepared: Path, samples: int, max_length: int, *extra: str):
+    recipe = _recipe(root, name, samples, max_length, *extra)
     shutil.rmtree(recipe.run_dir, ignore_errors=True)
     shutil.copytree(prepared, recipe.run_dir / "prepared")
     return recipe
@@ -66,22 +67,32 @@ def _batches(dataset, dump_cfg) -> list[tuple[torch.Tensor, list[int]]]:
     return out
 
 
-def time_body(model, batches) -> float:
+class Clock:
+    """Wall time and this process's CPU time (all threads): on a shared machine the CPU time of
+    a pass varies far less than its wall time, which other users' jobs stretch."""
+
+    def __enter__(self):
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
+
+
+def time_body(model, batches) -> Clock:
     decoder = model.get_decoder()
-    start = time.perf_counter()
-    with torch.inference_mode():
+    with Clock() as clock, torch.inference_mode():
         for ids, _ in batches:
             decoder(input_ids=ids, use_cache=False)
-    return time.perf_counter() - start
+    return clock
 
 
-def time_naive(model, batches, layers: list[int], out_dir: Path) -> float:
+def time_naive(model, batches, layers: list[int], out_dir: Path) -> Clock:
     """Full forward with all hidden states; each sample's tensors torch.save'd as they come."""
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
-    start = time.perf_counter()
     n = 0
-    with torch.inference_mode():
+    with Clock() as clock, torch.inference_mode():
         for ids, lengths in batches:
             out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
             hs = out.hidden_states
@@ -92,10 +103,10 @@ def time_naive(model, batches, layers: list[int], out_dir: Path) -> float:
                     "hidden_state": hs[-1][b, :length].to(torch.bfloat16).clone(),
                 }, out_dir / f"data_{n}.ckpt")
                 n += 1
-    return time.perf_counter() - start
+    return clock
 
 
-def time_dump(recipe, model, tokenizer, use_output_hidden_states: bool = False) -> tuple[float, dict]:
+def time_dump(recipe, model, tokenizer, use_output_hidden_states: bool = False) -> tuple[Clock, dict]:
     from eyas.data import dump as dump_module
 
     shutil.rmtree(recipe.run_dir / "shards", ignore_errors=True)
@@ -106,9 +117,9 @@ def time_dump(recipe, model, tokenizer, use_output_hidden_states: bool = False) 
             return [out.hidden_states[i] for i in self.aux_layers], out.last_hidden_state
         dump_module.HiddenCapture.__call__ = via_ohs
     try:
-        start = time.perf_counter()
-        manifest = dump_module.dump(recipe, model=model, tokenizer=tokenizer)
-        return time.perf_counter() - start, manifest
+        with Clock() as clock:
+            manifest = dump_module.dump(recipe, model=model, tokenizer=tokenizer)
+        return clock, manifest
     finally:
         dump_module.HiddenCapture.__call__ = original
 
@@ -172,7 +183,8 @@ def first_batch_times(root: Path, counts: list[int], repeats: int) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=400, help="chitchat conversations read (about half have an answer)")
+    parser.add_argument("--samples", type=int, default=120, help="chitchat conversations read (about half have an answer)")
+    parser.add_argument("--max-length", type=int, default=64, help="tokens per sample (longer ones are truncated)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--keep", action="store_true", help="keep the temporary run folder")
     args = parser.parse_args()
@@ -185,7 +197,7 @@ def main() -> int:
 
     root = Path(tempfile.mkdtemp(prefix="eyas-bench-dump-"))
     model, tokenizer = load_target(TargetConfig())
-    base = _recipe(root, "base", args.samples)
+    base = _recipe(root, "base", args.samples, args.max_length)
     prepare(base, tokenizer=tokenizer)
     prepared = base.run_dir / "prepared"
     dataset = load_prepared(base.run_dir, "train")
@@ -194,18 +206,18 @@ def main() -> int:
     layers = feature_spec(base, model.config)["aux_layers"]
     print(f"bench_dump: {len(dataset)} samples, {tokens} tokens, {len(batches)} batches; layers {layers}", flush=True)
 
-    int8 = _fresh_run(root, "int8", prepared, args.samples)
+    int8 = _fresh_run(root, "int8", prepared, args.samples, args.max_length)
     time_body(model, batches[:2])  # warm-up
-    runs: dict[str, list[float]] = {"body": [], "eyas": [], "ohs": [], "naive": []}
-    manifest = None
+    runs: dict[str, list[Clock]] = {"body": [], "eyas": [], "ohs": [], "naive": []}
     for r in range(args.repeats):  # interleaved, so drift on a shared machine hits all alike
         runs["body"].append(time_body(model, batches))
-        t, manifest = time_dump(int8, model, tokenizer)
-        runs["eyas"].append(t)
+        runs["eyas"].append(time_dump(int8, model, tokenizer)[0])
         runs["ohs"].append(time_dump(int8, model, tokenizer, use_output_hidden_states=True)[0])
         runs["naive"].append(time_naive(model, batches, layers, root / "naive"))
-        print(f"bench_dump: repeat {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in runs.items()), flush=True)
-    med = {k: statistics.median(v) for k, v in runs.items()}
+        print(f"bench_dump: repeat {r + 1}: " + ", ".join(f"{k} {v[-1].wall:.2f}s wall {v[-1].cpu:.2f}s cpu"
+                                                          for k, v in runs.items()), flush=True)
+    med = {k: statistics.median(c.cpu for c in v) for k, v in runs.items()}
+    med_wall = {k: statistics.median(c.wall for c in v) for k, v in runs.items()}
     naive_bytes = sum(p.stat().st_size for p in (root / "naive").iterdir())
 
     encodings = {
@@ -218,7 +230,7 @@ def main() -> int:
     sizes = {}
     anchor = 4 * model.config.hidden_size * 2
     for name, extra in encodings.items():
-        recipe = int8 if name == "int8" else _fresh_run(root, name.replace("+", "_"), prepared, args.samples, *extra)
+        recipe = int8 if name == "int8" else _fresh_run(root, name.replace("+", "_"), prepared, args.samples, args.max_length, *extra)
         if name != "int8":
             time_dump(recipe, model, tokenizer)
         m = json.loads((recipe.run_dir / "shards" / "manifest.json").read_text())
@@ -234,10 +246,11 @@ def main() -> int:
 
     figures = {
         "dump_vs_body_forward": med["body"] / med["eyas"],
+        "dump_vs_body_forward_wall": med_wall["body"] / med_wall["eyas"],
         "dump_vs_naive_dump": med["naive"] / med["eyas"],
         "hooks_vs_output_hidden_states": med["ohs"] / med["eyas"],
-        "dump_tokens_per_s": tokens / med["eyas"],
-        "body_tokens_per_s": tokens / med["body"],
+        "dump_tokens_per_s": tokens / med_wall["eyas"],
+        "body_tokens_per_s": tokens / med_wall["body"],
         "bytes_per_token_ratio_int8": sizes["int8"]["ratio"],
         "bytes_per_token_ratio_fp8": sizes["fp8"]["ratio"],
         "bytes_per_token_ratio_compact": sizes["int8+int4_low+topk32"]["ratio"],
@@ -250,9 +263,12 @@ def main() -> int:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
         "figures": {k: round(v, 4) for k, v in figures.items()},
-        "seconds": {k: [round(x, 3) for x in v] for k, v in runs.items()},
+        "cpu_seconds": {k: [round(c.cpu, 3) for c in v] for k, v in runs.items()},
+        "wall_seconds": {k: [round(c.wall, 3) for c in v] for k, v in runs.items()},
+        "ratios_use": "process CPU time (all threads) unless the name ends in _wall; tokens/s use wall time",
         "sizes": sizes, "time_to_first_batch_s": {str(k): round(v, 4) for k, v in first.items()},
         "settings": {"target": "smollm2-135m-instruct", "samples_read": args.samples, "samples": len(dataset),
+                     "max_length": args.max_length,
                      "tokens": tokens, "batches": len(batches), "token_budget": base.dump.token_budget,
                      "shard_tokens": base.dump.shard_tokens, "layers": layers, "repeats": args.repeats,
                      "anchor_bytes_per_token": anchor, "dtype": str(next(model.parameters()).dtype)},

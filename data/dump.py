@@ -276,7 +276,11 @@ def dump_split(dataset, out_dir: Path, plan: dict, capture: HiddenCapture, spec:
         if problem:
             if problem != "missing":
                 print(f"eyas dump: redoing {out_dir / shard_name(i)}: {problem}", flush=True)
+            # No sidecar until the shard is rewritten: rank 0 must not index a shard being redone.
+            (out_dir / shard_name(i).replace(".safetensors", ".json")).unlink(missing_ok=True)
             todo.append(i)
+    if todo:  # the dump is incomplete again until rank 0 rewrites the manifest
+        (out_dir / MANIFEST).unlink(missing_ok=True)
     pending_tokens = int(sum(lengths[shards[i]].sum() for i in todo))
     done = len(mine) - len(todo)
     if rank == 0:

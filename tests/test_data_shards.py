@@ -143,3 +143,20 @@ def test_time_to_first_batch_does_not_read_every_shard(tmp_path):
     reader = ShardReader(tmp_path / "d")
     next(iter(TokenBudgetLoader(reader, token_budget=64, seed=0)))
     assert len(reader._handles) <= 16  # only the shards the first batch touched were opened
+
+
+def test_full_disk_is_a_clear_error_naming_the_file(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from eyas.data import shards
+
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shards.os, "fsync", no_space)
+    tensors = {"input_ids": torch.zeros(4, dtype=torch.int32), "loss_mask": torch.ones(4, dtype=torch.uint8),
+               "offsets": torch.tensor([0, 4]), "sample_index": torch.tensor([0])}
+    with pytest.raises(EyasError, match=r"cannot write '.*shard-00007.safetensors': No space left on device"):
+        write_shard(tmp_path, 7, tensors, {})
+    assert os.listdir(tmp_path) == []  # no temporary file left behind, no sidecar claiming the shard
