@@ -126,7 +126,7 @@ class TrainConfig:
     loss: str = _doc("Distribution loss: forward_kl, ce, tv, jsd, or a mix like `forward_kl:0.9,ce:0.1`.", "forward_kl")
     feature_loss_weight: float = _doc("eagle: weight of the smooth-L1 feature regression.", 1.0)
     teacher_chunk: int = _doc("Positions per chunk when recomputing the teacher through lm_head.", 2048)
-    mixed_precision: str = _doc("auto (bf16 on GPU, none on CPU), no, bf16 or fp16.", "auto")
+    mixed_precision: str = _doc("auto (bf16 on GPU, fp32 on CPU), fp32 (= 'no', quoted in YAML), bf16 or fp16.", "auto")
     eval_every: int = _doc("Held-out evaluation every N steps (0: only at the end).", 500)
     eval_batches: int = _doc("Held-out micro-batches per evaluation.", 20)
     save_every: int = _doc("Checkpoint every N steps (0: only at the end).", 500)
@@ -204,7 +204,7 @@ CHOICES = {
     "draft.kind": ("eagle", "eagle3", "mtp"),
     "draft.mtp_feed": ("chain", "target"),
     "train.source": ("shards", "online"),
-    "train.mixed_precision": ("auto", "no", "bf16", "fp16"),
+    "train.mixed_precision": ("auto", "fp32", "no", "bf16", "fp16"),
     "train.ttt_token_feed": ("auto", "draft", "data"),
     "train.logger": ("none", "wandb", "tensorboard"),
     "export.to": ("sglang", "vllm"),

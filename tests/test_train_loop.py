@@ -120,15 +120,17 @@ def test_online_source_matches_shards(workspace):
 def test_nan_loss_stops_with_step_batch_and_checkpoint(workspace, monkeypatch):
     from eyas.train import losses
 
-    real = losses.Teacher.logprobs
+    real = losses.Teacher.distribution
     calls = {"n": 0}
 
     def poisoned(self, last_hidden):
         calls["n"] += 1
         out = real(self, last_hidden)
-        return out * float("nan") if calls["n"] == 4 else out
+        if calls["n"] == 4:
+            out.probs[0, 5] = float("nan")  # one position of the 4th batch
+        return out
 
-    monkeypatch.setattr(losses.Teacher, "logprobs", poisoned)
+    monkeypatch.setattr(losses.Teacher, "distribution", poisoned)
     with pytest.raises(EyasError) as err:
         train(_recipe(workspace, "nan", "train.eval_every=0"))
     message = str(err.value)

@@ -11,7 +11,9 @@ from train_helpers import draft_cfg, synthetic_batch, tiny_d2t, tiny_target_conf
 
 from eyas.config import parse_loss_mix
 from eyas.train.heads import build_head
-from eyas.train.losses import Teacher, forward_kl, hard_ce, jensen_shannon, position_losses, total_variation
+from eyas.train.losses import (
+    Teacher, forward_kl, hard_ce, jensen_shannon, position_losses, soft_cross_entropy, step_losses, total_variation,
+)
 from eyas.train.ttt import unroll
 
 
@@ -51,6 +53,28 @@ def test_mix_is_the_weighted_sum():
     assert parse_loss_mix("forward_kl:0.9,ce:0.1") == {"forward_kl": 0.9, "ce": 0.1}
 
 
+def test_fused_soft_cross_entropy_matches_autograd_reference():
+    t_logits, d_logits = _pair(2, n=7, v=13)
+    logp = t_logits.log_softmax(-1)
+    z1 = d_logits.clone().requires_grad_()
+    z2 = d_logits.clone().requires_grad_()
+    fused = soft_cross_entropy(z1, logp.exp()) + (logp.exp() * logp).sum(-1)
+    reference = forward_kl(logp, z2.log_softmax(-1))
+    torch.testing.assert_close(fused, reference)
+    g = torch.randn(7)
+    (fused * g).sum().backward()
+    (reference * g).sum().backward()
+    torch.testing.assert_close(z1.grad, z2.grad)
+    labels = torch.arange(7)
+    mix = {"forward_kl": 0.7, "ce": 0.2, "tv": 0.1, "jsd": 0.5}
+    p = logp.exp()
+    torch.testing.assert_close(step_losses(d_logits, p, (p * logp).sum(-1), labels, mix),
+                               position_losses(d_logits, logp, labels, mix))
+    nan_teacher = p.clone()
+    nan_teacher[3, 0] = float("nan")
+    assert torch.isnan(soft_cross_entropy(d_logits, nan_teacher)[3])  # a NaN teacher is never hidden
+
+
 def test_teacher_chunks_and_restricts_to_draft_vocab():
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(384, 64, generator=g)
@@ -67,6 +91,10 @@ def test_teacher_chunks_and_restricts_to_draft_vocab():
     to_draft[rows] = torch.arange(200)
     assert torch.equal(argmax, to_draft[target_arg])
     assert (argmax == -1).any() and (argmax >= 0).any()
+    dist = Teacher(weight, d2t, 5).distribution(hidden)
+    torch.testing.assert_close(dist.probs, expected.exp())
+    torch.testing.assert_close(dist.plogp, (expected.exp() * expected).sum(-1))
+    assert torch.equal(dist.top, expected.argmax(-1))
     no_vocab = Teacher(weight, None, 3)
     torch.testing.assert_close(no_vocab.logprobs(hidden), full.log_softmax(-1))
     assert torch.equal(no_vocab.full_argmax_in_draft(hidden), target_arg)
@@ -85,7 +113,8 @@ def test_teacher_never_builds_a_full_vocab_batch_tensor(monkeypatch):
 
     monkeypatch.setattr(F, "log_softmax", spy)
     teacher.logprobs(torch.randn(3, 10, 64))
-    assert shapes and all(s[0] <= 4 and s[1] == 200 for s in shapes)
+    teacher.distribution(torch.randn(3, 10, 64))
+    assert len(shapes) == 16 and all(s[0] <= 4 and s[1] == 200 for s in shapes)
 
 
 def test_topk_teacher_renormalises_over_kept_entries():

@@ -47,6 +47,9 @@ STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
 
 
 def resolve_mixed_precision(setting: str) -> str:
+    """The accelerate mixed_precision value: auto = bf16 on a GPU that has it, else none."""
+    if setting in ("no", "fp32"):
+        return "no"
     if setting != "auto":
         return setting
     if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
@@ -243,7 +246,7 @@ class Trainer:
         self.mix = parse_loss_mix(self.cfg.loss)
         self.token_feed = default_token_feed(self.kind) if self.cfg.ttt_token_feed == "auto" else self.cfg.ttt_token_feed
         self.weights = [self.cfg.ttt_decay ** k for k in range(self.train_steps)]
-        self.loader = self._loader(self.source.train_reader, shuffle=True)
+        self.loader = self.make_loader(self.source.train_reader, shuffle=True)
         batches = len(self.loader)
         if batches == 0:
             raise EyasError(f"the training data gives no batch to each of {acc.num_processes} process(es); "
@@ -274,7 +277,7 @@ class Trainer:
 
         return read_target_weights(self.recipe.target.path)
 
-    def _loader(self, reader: Any, shuffle: bool) -> Any:
+    def make_loader(self, reader: Any, shuffle: bool) -> Any:
         from eyas.data.shards import TokenBudgetLoader
 
         acc = self.accelerator

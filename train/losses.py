@@ -12,10 +12,15 @@ Per-position losses over the draft vocabulary, p = teacher, q = draft:
   ce          -log q[label], label = the data's next token (0 where it is not in the draft vocab)
   tv          1/2 sum |p - q|
   jsd         1/2 KL(p || m) + 1/2 KL(q || m), m = (p + q) / 2
-A mix (`train.loss: forward_kl:0.9,ce:0.1`) is the weighted sum.
+A mix (`train.loss: forward_kl:0.9,ce:0.1`) is the weighted sum. The trainer computes
+forward KL as soft cross-entropy (logsumexp(z) - p.z, one fused autograd function) plus the
+teacher's sum p log p, precomputed once per batch with its probabilities and argmax
+(`TeacherDist`); `position_losses` is the plain reference the tests hold it to.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +75,63 @@ def position_losses(draft_logits: torch.Tensor, teacher_logp: torch.Tensor, labe
     return total
 
 
+class _SoftCrossEntropy(torch.autograd.Function):
+    """-sum_v p_v log softmax(z)_v = logsumexp(z) - p.z, with the gradient softmax(z) - p.
+
+    One fused function instead of log_softmax + multiply + sum and their autograd graph: the
+    [positions, vocab] tensors are walked a few times instead of a few dozen (on a CPU the
+    elementwise passes, not the lm_head matmul, dominated the step).
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        z = logits.float()
+        lse = torch.logsumexp(z, dim=-1)
+        ctx.save_for_backward(logits, probs, lse)
+        return lse - torch.linalg.vecdot(probs, z)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, probs, lse = ctx.saved_tensors
+        g = torch.exp(logits.float() - lse.unsqueeze(-1))
+        g.sub_(probs).mul_(grad.unsqueeze(-1))
+        return g.to(logits.dtype), None
+
+
+def soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Per-position -sum p log q over the last dim (q = softmax(logits)); fp32 result."""
+    return _SoftCrossEntropy.apply(logits, probs)
+
+
+@dataclass
+class TeacherDist:
+    """The teacher of a batch over the draft vocabulary: probabilities [B,T,V] (fp32), sum p log p
+    [B,T] (so forward KL = soft cross-entropy + plogp), and its argmax [B,T] (draft ids)."""
+
+    probs: torch.Tensor
+    plogp: torch.Tensor
+    top: torch.Tensor
+
+
+def step_losses(logits: torch.Tensor, probs: torch.Tensor, plogp: torch.Tensor, labels: torch.Tensor,
+                mix: dict[str, float]) -> torch.Tensor:
+    """The loss mix per position for [..., V] draft logits against a teacher slice; [...] fp32.
+
+    forward_kl goes through the fused soft cross-entropy; the others use the definitions above.
+    """
+    total = torch.zeros(logits.shape[:-1], dtype=torch.float32, device=logits.device)
+    generic = {name: w for name, w in mix.items() if w and name != "forward_kl"}
+    if mix.get("forward_kl"):
+        total = total + mix["forward_kl"] * (soft_cross_entropy(logits, probs) + plogp)
+    if generic:
+        logq = F.log_softmax(logits.float(), dim=-1)
+        logp = torch.log(probs)
+        for name, weight in generic.items():
+            term = hard_ce(logq, labels) if name == "ce" else LOSSES[name](logp, logq)
+            total = total + weight * term
+    return total
+
+
 class Teacher:
     """The frozen target lm_head, restricted to the draft vocabulary, applied in chunks.
 
@@ -120,6 +182,30 @@ class Teacher:
             part = flat[start:start + self.chunk].to(self.weight.dtype)
             out[start:start + self.chunk] = F.log_softmax((part @ self.weight.T).float(), dim=-1)
         return out.view(*last_hidden.shape[:-1], -1)
+
+    @torch.no_grad()
+    def distribution(self, last_hidden: torch.Tensor) -> TeacherDist:
+        """Probabilities, sum p log p and argmax over the draft vocabulary, computed in chunks."""
+        flat = last_hidden.reshape(-1, last_hidden.shape[-1])
+        n, vocab = flat.shape[0], self.weight.shape[0]
+        probs = torch.empty(n, vocab, dtype=torch.float32, device=flat.device)
+        plogp = torch.empty(n, dtype=torch.float32, device=flat.device)
+        top = torch.empty(n, dtype=torch.long, device=flat.device)
+        for start in range(0, n, self.chunk):
+            part = flat[start:start + self.chunk].to(self.weight.dtype)
+            logp = F.log_softmax((part @ self.weight.T).float(), dim=-1)
+            p = torch.exp(logp, out=probs[start:start + self.chunk])
+            plogp[start:start + self.chunk] = torch.linalg.vecdot(p, logp)
+            top[start:start + self.chunk] = logp.argmax(-1)
+        shape = last_hidden.shape[:-1]
+        return TeacherDist(probs.view(*shape, vocab), plogp.view(shape), top.view(shape))
+
+    @torch.no_grad()
+    def distribution_from_topk(self, topk_values: torch.Tensor, topk_ids: torch.Tensor) -> TeacherDist:
+        logp = self.logprobs_from_topk(topk_values, topk_ids)
+        probs = logp.exp()
+        plogp = torch.where(torch.isneginf(logp), torch.zeros_like(probs), probs * logp).sum(-1)
+        return TeacherDist(probs, plogp, logp.argmax(-1))
 
     @torch.no_grad()
     def full_argmax_in_draft(self, last_hidden: torch.Tensor) -> torch.Tensor:

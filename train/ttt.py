@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from eyas.train.heads import DraftHead, TTTCache
-from eyas.train.losses import Teacher, position_losses
+from eyas.train.losses import Teacher, TeacherDist, step_losses
 
 TOKEN_FEEDS = ("draft", "data")
 
@@ -66,15 +66,15 @@ def step0_feature(head: DraftHead, batch: dict) -> torch.Tensor:
     return batch["last_hidden"]
 
 
-def teacher_for(batch: dict, teacher: Teacher) -> torch.Tensor:
-    """Teacher log-probs over the draft vocab: from dumped top-k if present, else through lm_head."""
+def teacher_for(batch: dict, teacher: Teacher) -> TeacherDist:
+    """The teacher over the draft vocab: from dumped top-k if present, else through the frozen lm_head."""
     if "topk_values" in batch and "topk_ids" in batch:
-        return teacher.logprobs_from_topk(batch["topk_values"], batch["topk_ids"])
-    return teacher.logprobs(batch["last_hidden"])
+        return teacher.distribution_from_topk(batch["topk_values"], batch["topk_ids"])
+    return teacher.distribution(batch["last_hidden"])
 
 
 def unroll(head: DraftHead, batch: dict, teacher: Teacher, steps: int, mix: dict[str, float],
-           token_feed: str = "draft", feature_loss: bool = False, teacher_logp: torch.Tensor | None = None,
+           token_feed: str = "draft", feature_loss: bool = False, teacher_dist: TeacherDist | None = None,
            teacher_top: torch.Tensor | None = None) -> UnrollResult:
     """Run `steps` draft steps over a batch and return per-step loss sums, counts and hits.
 
@@ -88,10 +88,10 @@ def unroll(head: DraftHead, batch: dict, teacher: Teacher, steps: int, mix: dict
     loss_mask = batch["loss_mask"].float()
     if "attention_mask" in batch:
         loss_mask = loss_mask * batch["attention_mask"].float()
-    if teacher_logp is None:
-        teacher_logp = teacher_for(batch, teacher)
+    if teacher_dist is None:
+        teacher_dist = teacher_for(batch, teacher)
     if teacher_top is None:
-        teacher_top = teacher_logp.argmax(-1)
+        teacher_top = teacher_dist.top
     labels = teacher.to_draft_ids(ids)
     positions = torch.arange(seq, device=ids.device).unsqueeze(0).expand(bsz, -1)
     pad = ids.new_zeros(bsz, 1)
@@ -101,7 +101,8 @@ def unroll(head: DraftHead, batch: dict, teacher: Teacher, steps: int, mix: dict
     out = UnrollResult()
     for k in range(steps):
         hidden, logits = head.step(k, tokens, feature, positions + k, past_key_values=cache)
-        _score_step(out, k, logits, teacher_logp, teacher_top, labels, loss_mask, mix)
+        drafted = logits.detach().argmax(-1)  # [B, T] draft ids: accuracy, and the next step's tokens
+        _score_step(out, k, logits, drafted, teacher_dist, teacher_top, labels, loss_mask, mix)
         if feature_loss and k == 0:
             out.feature_loss_sum = _feature_loss_sum(hidden, batch["last_hidden"], loss_mask)
         if k + 1 == steps:
@@ -109,13 +110,15 @@ def unroll(head: DraftHead, batch: dict, teacher: Teacher, steps: int, mix: dict
         chain = not (head.kind == "mtp" and head.config["mtp_feed"] == "target")
         feature = hidden if chain else first_feature
         if token_feed == "draft":
-            tokens = head.draft_to_target(logits.detach().argmax(-1))
+            tokens = head.draft_to_target(drafted)
         else:
             tokens = torch.cat([ids[:, k + 2:], ids.new_zeros(bsz, min(k + 2, seq))], dim=1)[:, :seq]
     return out
 
 
-def _score_step(out: UnrollResult, k: int, logits, teacher_logp, teacher_top, labels, loss_mask, mix) -> None:
+def _score_step(out: UnrollResult, k: int, logits, drafted, teacher: TeacherDist, teacher_top, labels, loss_mask,
+                mix) -> None:
+    """Loss, count and hits of step k over slots 0..T-k-3 (views, no gather: masked slots weigh 0)."""
     seq = logits.shape[1]
     length = seq - k - 2  # slots whose predicted token x_{t+k+2} exists
     if length <= 0:
@@ -125,14 +128,13 @@ def _score_step(out: UnrollResult, k: int, logits, teacher_logp, teacher_top, la
         out.correct.append(zero)
         return
     weight = loss_mask[:, k + 2:]
-    sel = weight > 0
-    w = weight[sel]
-    step_logits = logits[:, :length][sel]
-    losses = position_losses(step_logits, teacher_logp[:, k + 1:seq - 1][sel], labels[:, k + 2:][sel], mix)
-    out.loss_sums.append((losses * w).sum())
+    span = slice(k + 1, seq - 1)  # teacher positions t+k+1 for slots t = 0..length-1
+    losses = step_losses(logits[:, :length], teacher.probs[:, span], teacher.plogp[:, span],
+                         labels[:, k + 2:], mix)
+    out.loss_sums.append((losses * weight).sum())
     out.counts.append(weight.sum())
-    hits = (step_logits.detach().argmax(-1) == teacher_top[:, k + 1:seq - 1][sel]).float()
-    out.correct.append((hits * w).sum())
+    hits = (drafted[:, :length] == teacher_top[:, span]).float()
+    out.correct.append((hits * weight).sum())
 
 
 def _feature_loss_sum(hidden: torch.Tensor, last_hidden: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
