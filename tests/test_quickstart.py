@@ -1,0 +1,92 @@
+"""The shipped recipes, and `eyas quickstart` end to end (on a tiny target) including its resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eyas import quickstart
+from eyas.config import load_recipe
+
+RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
+
+
+def test_every_recipe_loads():
+    names = {p.name for p in RECIPES}
+    assert {"quickstart.yaml", "llama3.1-8b-eagle3.yaml", "qwen3-8b-eagle3.yaml", "llama3.1-8b-mtp3.yaml"} <= names
+    for path in RECIPES:
+        recipe = load_recipe(path)
+        assert recipe.run.name == path.stem, path  # one run directory per recipe
+
+
+@pytest.mark.parametrize("name", ["llama3.1-8b-eagle3.yaml", "qwen3-8b-eagle3.yaml"])
+def test_eagle3_recipes_use_the_literature_settings(name):
+    recipe = load_recipe(Path(__file__).parent.parent / "recipes" / name)
+    assert recipe.draft.kind == "eagle3" and recipe.dump.draft_vocab_size == 32000
+    assert recipe.train.ttt_steps == 7 and recipe.train.ttt_decay == 0.8
+    assert 5e-5 <= recipe.train.lr <= 1e-4 and recipe.train.epochs >= 1
+    assert recipe.data.regenerate and recipe.data.max_length == 2048
+
+
+def test_mtp_recipe_has_three_steps():
+    recipe = load_recipe(Path(__file__).parent.parent / "recipes" / "llama3.1-8b-mtp3.yaml")
+    assert recipe.draft.kind == "mtp" and recipe.draft.num_steps == 3 and recipe.train.ttt_steps == 3
+
+
+def test_quickstart_recipe_is_the_packaged_one():
+    packaged = quickstart.packaged_recipe()
+    assert packaged.read_text() == (Path(__file__).parent.parent / "recipes" / "quickstart.yaml").read_text()
+    recipe = load_recipe(packaged)
+    assert recipe.target.path == "smollm2-135m-instruct" and recipe.data.source == "chitchat"
+    assert recipe.run_dir == Path("runs") / "quickstart"
+
+
+def _tiny_recipe(tmp_path: Path, target: Path) -> Path:
+    recipe = yaml.safe_load(quickstart.packaged_recipe().read_text())
+    recipe["run"].update(name="qs-tiny", output_dir=str(tmp_path / "runs"))
+    recipe["target"]["path"] = str(target)
+    recipe["data"].update(max_samples=60, max_length=96, heldout_fraction=0.1)
+    recipe["dump"].update(draft_vocab_size=128, token_budget=1024, shard_tokens=1024)
+    recipe["train"].update(max_steps=6, token_budget=512, eval_every=3, save_every=2, log_every=2, eval_batches=2)
+    recipe["eval"].update(max_prompts=2, max_new_tokens=12)
+    path = tmp_path / "qs.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def test_quickstart_runs_every_stage_then_resumes(tmp_path, tiny_llama_dir, capsys):
+    recipe = _tiny_recipe(tmp_path, tiny_llama_dir)
+    assert quickstart.main([str(recipe)]) == 0
+    out = capsys.readouterr().out
+    for index, stage in enumerate(quickstart.STAGES, start=1):
+        assert f"[{index}/6] {stage}: done in" in out
+    run_dir = tmp_path / "runs" / "qs-tiny"
+    summary = json.loads((run_dir / "quickstart.json").read_text())
+    assert set(summary["stages"]) == set(quickstart.STAGES)
+    assert not any(s["skipped"] for s in summary["stages"].values())
+    report = json.loads((run_dir / "eval" / "report.json").read_text())
+    assert Path(summary["files"]["plot"]).is_file() and Path(summary["files"]["report"]).is_file()
+    assert (run_dir / "export" / "sglang" / "config.json").is_file()
+    assert report["settings"]["drafts"] == [summary["files"]["checkpoint"]]
+    assert "tau" in out and f"acceptance plot:   {summary['files']['plot']}" in out
+    steps = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+    assert steps[-1] == "step_00000006"
+    weights = (run_dir / "checkpoints" / "step_00000006" / "model.safetensors").read_bytes()
+
+    # Rerun: nothing is redone; training finds its last step and returns; eval is reused.
+    assert quickstart.main([str(recipe)]) == 0
+    out = capsys.readouterr().out
+    summary2 = json.loads((run_dir / "quickstart.json").read_text())
+    assert {k for k, s in summary2["stages"].items() if s["skipped"]} == {"prepare", "dump", "eval"}
+    assert "[2/6] prepare: skipped" in out and "[3/6] dump: skipped" in out and "[5/6] eval: skipped" in out
+    assert "at step 6" in out
+    assert (run_dir / "checkpoints" / "step_00000006" / "model.safetensors").read_bytes() == weights
+    assert json.loads((run_dir / "eval" / "report.json").read_text())["created"] == report["created"]
+
+    # A changed data setting reruns prepare (and the dump that depends on it).
+    recipe2 = load_recipe(recipe, ["data.max_length=80"])
+    assert not quickstart.prepare_done(recipe2) and not quickstart.dump_done(recipe2)
+    assert quickstart.prepare_done(load_recipe(recipe)) and quickstart.dump_done(load_recipe(recipe))
