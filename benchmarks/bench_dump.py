@@ -106,20 +106,31 @@ def time_naive(model, batches, layers: list[int], out_dir: Path) -> Clock:
     return clock
 
 
-def time_dump(recipe, model, tokenizer, use_output_hidden_states: bool = False) -> tuple[Clock, dict]:
+def time_dump(recipe, model, tokenizer, use_output_hidden_states: bool = False) -> tuple[Clock, float, dict]:
+    """A whole `eyas dump`; also returns the share of its wall time spent inside the target's forward."""
     from eyas.data import dump as dump_module
 
     shutil.rmtree(recipe.run_dir / "shards", ignore_errors=True)
     original = dump_module.HiddenCapture.__call__
-    if use_output_hidden_states:
-        def via_ohs(self, input_ids):
-            out = self.decoder(input_ids=input_ids, use_cache=False, output_hidden_states=True)
-            return [out.hidden_states[i] for i in self.aux_layers], out.last_hidden_state
-        dump_module.HiddenCapture.__call__ = via_ohs
+    inside = [0.0]
+
+    def via_ohs(self, input_ids):
+        out = self.decoder(input_ids=input_ids, use_cache=False, output_hidden_states=True)
+        return [out.hidden_states[i] for i in self.aux_layers], out.last_hidden_state
+
+    forward = via_ohs if use_output_hidden_states else original
+
+    def timed(self, input_ids):
+        start = time.perf_counter()
+        result = forward(self, input_ids)
+        inside[0] += time.perf_counter() - start
+        return result
+
+    dump_module.HiddenCapture.__call__ = timed
     try:
         with Clock() as clock:
             manifest = dump_module.dump(recipe, model=model, tokenizer=tokenizer)
-        return clock, manifest
+        return clock, inside[0] / clock.wall, manifest
     finally:
         dump_module.HiddenCapture.__call__ = original
 
@@ -173,7 +184,7 @@ def first_batch_times(root: Path, counts: list[int], repeats: int) -> dict:
         for _ in range(repeats):
             start = time.perf_counter()
             reader = ShardReader(directory, expect_identity="synthetic")
-            batch = next(iter(TokenBudgetLoader(reader, token_budget=8192, seed=0)))
+            batch = next(iter(TokenBudgetLoader(reader, token_budget=512, seed=0)))  # 128 samples
             times.append(time.perf_counter() - start)
             assert batch["aux_hidden"].shape[-1] == 3 * hidden
         results[count] = statistics.median(times)
@@ -183,9 +194,9 @@ def first_batch_times(root: Path, counts: list[int], repeats: int) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=120, help="chitchat conversations read (about half have an answer)")
+    parser.add_argument("--samples", type=int, default=60, help="chitchat conversations read (about half have an answer)")
     parser.add_argument("--max-length", type=int, default=64, help="tokens per sample (longer ones are truncated)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--keep", action="store_true", help="keep the temporary run folder")
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -209,14 +220,22 @@ def main() -> int:
     int8 = _fresh_run(root, "int8", prepared, args.samples, args.max_length)
     time_body(model, batches[:2])  # warm-up
     runs: dict[str, list[Clock]] = {"body": [], "eyas": [], "ohs": [], "naive": []}
+    in_forward = []
     for r in range(args.repeats):  # interleaved, so drift on a shared machine hits all alike
         runs["body"].append(time_body(model, batches))
-        runs["eyas"].append(time_dump(int8, model, tokenizer)[0])
+        clock, share, _ = time_dump(int8, model, tokenizer)
+        runs["eyas"].append(clock)
+        in_forward.append(share)
         runs["ohs"].append(time_dump(int8, model, tokenizer, use_output_hidden_states=True)[0])
         runs["naive"].append(time_naive(model, batches, layers, root / "naive"))
         print(f"bench_dump: repeat {r + 1}: " + ", ".join(f"{k} {v[-1].wall:.2f}s wall {v[-1].cpu:.2f}s cpu"
-                                                          for k, v in runs.items()), flush=True)
-    med = {k: statistics.median(c.cpu for c in v) for k, v in runs.items()}
+                                                          for k, v in runs.items()) + f", in forward {share:.3f}",
+              flush=True)
+
+    def paired(a: str, b: str, clock: str = "cpu") -> float:
+        """Median over repeats of the ratio a/b within each repeat (adjacent runs share the load)."""
+        return statistics.median(getattr(x, clock) / getattr(y, clock) for x, y in zip(runs[a], runs[b]))
+
     med_wall = {k: statistics.median(c.wall for c in v) for k, v in runs.items()}
     naive_bytes = sum(p.stat().st_size for p in (root / "naive").iterdir())
 
@@ -245,10 +264,11 @@ def main() -> int:
     first = first_batch_times(root, [1000, 10000, 100000], repeats=5)
 
     figures = {
-        "dump_vs_body_forward": med["body"] / med["eyas"],
-        "dump_vs_body_forward_wall": med_wall["body"] / med_wall["eyas"],
-        "dump_vs_naive_dump": med["naive"] / med["eyas"],
-        "hooks_vs_output_hidden_states": med["ohs"] / med["eyas"],
+        "dump_vs_body_forward": paired("body", "eyas"),
+        "dump_vs_body_forward_wall": paired("body", "eyas", "wall"),
+        "dump_time_in_forward": statistics.median(in_forward),
+        "dump_vs_naive_dump": paired("naive", "eyas"),
+        "hooks_vs_output_hidden_states": paired("ohs", "eyas"),
         "dump_tokens_per_s": tokens / med_wall["eyas"],
         "body_tokens_per_s": tokens / med_wall["body"],
         "bytes_per_token_ratio_int8": sizes["int8"]["ratio"],
@@ -265,7 +285,9 @@ def main() -> int:
         "figures": {k: round(v, 4) for k, v in figures.items()},
         "cpu_seconds": {k: [round(c.cpu, 3) for c in v] for k, v in runs.items()},
         "wall_seconds": {k: [round(c.wall, 3) for c in v] for k, v in runs.items()},
-        "ratios_use": "process CPU time (all threads) unless the name ends in _wall; tokens/s use wall time",
+        "ratios_use": "median over repeats of per-repeat ratios of process CPU time (all threads), unless the name "
+                      "ends in _wall; dump_time_in_forward = wall time inside the target forward / dump wall time; "
+                      "tokens/s use wall time",
         "sizes": sizes, "time_to_first_batch_s": {str(k): round(v, 4) for k, v in first.items()},
         "settings": {"target": "smollm2-135m-instruct", "samples_read": args.samples, "samples": len(dataset),
                      "max_length": args.max_length,

@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -289,9 +290,17 @@ def dump_split(dataset, out_dir: Path, plan: dict, capture: HiddenCapture, spec:
     progress = tqdm(total=pending_tokens, unit="tok", unit_scale=True, desc=f"dump {label}",
                     disable=rank != 0 or not pending_tokens, dynamic_ncols=True)
     metadata = {"schema_version": SCHEMA_VERSION, "plan": plan["fingerprint"]}
-    for i in todo:
-        tensors = dump_shard(capture, dataset, shards[i], spec, dump_cfg.token_budget, vocab_size, device, progress)
-        write_shard(out_dir, i, tensors, dict(metadata, shard=i))
+    # Serialising, hashing and writing a shard overlap the next shard's forward (one writer
+    # thread; at most one finished shard waits in memory, so memory stays bounded).
+    with ThreadPoolExecutor(max_workers=1) as writer:
+        pending = None
+        for i in todo:
+            tensors = dump_shard(capture, dataset, shards[i], spec, dump_cfg.token_budget, vocab_size, device, progress)
+            if pending is not None:
+                pending.result()
+            pending = writer.submit(write_shard, out_dir, i, tensors, dict(metadata, shard=i))
+        if pending is not None:
+            pending.result()
     progress.close()
     return list(range(len(shards)))
 
