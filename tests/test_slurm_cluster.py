@@ -9,6 +9,7 @@ preemption of the training job.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from pathlib import Path
@@ -103,3 +104,131 @@ def test_requeued_job_restarts_within_seconds_and_appends(slurm_cluster, tmp_pat
     runs = re.findall(r"run (\d+) at (\d+)", log.read_text())
     assert [r for r, _ in runs] == ["0", "1"], log.read_text()
     assert int(runs[1][1]) - int(runs[0][1]) < 45  # cred_expire=10: no two-minute hold
+
+
+# ----------------------------------------------------------------------------- the whole pipeline
+
+TRAIN_STEPS = 60
+
+
+def _tiny_recipe(path: Path, runs: Path, name: str, target: Path) -> Path:
+    import yaml
+
+    recipe = {
+        "run": {"name": name, "output_dir": str(runs), "seed": 0},
+        "target": {"path": str(target)},
+        "data": {"source": "chitchat", "max_samples": 80, "max_length": 96, "heldout_fraction": 0.1},
+        "dump": {"draft_vocab_size": 128, "token_budget": 1024, "shard_tokens": 1024},
+        "draft": {"kind": "eagle3"},
+        "train": {"max_steps": TRAIN_STEPS, "token_budget": 384, "lr": 1.0e-3, "warmup_steps": 2, "ttt_steps": 3,
+                  "save_every": 5, "eval_every": 0, "eval_batches": 2, "log_every": 5, "prefetch": 0},
+        "eval": {"max_prompts": 2, "max_new_tokens": 8, "shapes": ["chain:3"]},
+    }
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def _submit(args: list[str]) -> dict:
+    from eyas.slurm import submit
+
+    assert submit.main(args) == 0
+    return args
+
+
+def _jobs(run_dir: Path) -> dict:
+    return json.loads((run_dir / "slurm" / "jobs.json").read_text())["jobs"]
+
+
+def _log(run_dir: Path, pattern: str) -> list[Path]:
+    return sorted((run_dir / "slurm" / "logs").glob(pattern))
+
+
+def _wait_for_file(path_glob: tuple[Path, str], timeout: float, cluster, job_id: str) -> None:
+    folder, pattern = path_glob
+    deadline = time.monotonic() + timeout
+    while not list(folder.glob(pattern)):
+        states = job_states(cluster, job_id)
+        if states and all(s in FINAL_STATES for s in states.values()):
+            raise AssertionError(f"job {job_id} ended ({states}) before {folder}/{pattern} appeared")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{folder}/{pattern} did not appear within {timeout:.0f} s")
+        time.sleep(0.5)
+
+
+def _weights(checkpoint: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(checkpoint / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_submit_all_on_a_real_cluster_with_preemption(slurm_cluster, tmp_path, tiny_llama_dir, monkeypatch):
+    """prepare -> 2-task dump array -> finalize -> 2-process training (preempted by USR1, requeued,
+    resumed) -> eval -> export, all through `eyas submit --stage all`; then the same training
+    uninterrupted in another run directory ends with the same weights."""
+    import shutil
+
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SLURM_CONF", str(slurm_cluster.conf))
+    runs = tmp_path / "runs"
+    recipe = _tiny_recipe(tmp_path / "tiny.yaml", runs, "slurm-tiny", tiny_llama_dir)
+    _submit([str(recipe), "--stage", "all", "--nodes", "1", "--gpus-per-node", "0", "--procs-per-node", "2",
+             "--dump-tasks", "2"])
+    run_dir = runs / "slurm-tiny"
+    jobs = _jobs(run_dir)
+    assert list(jobs) == ["prepare", "dump", "dump_finalize", "train", "eval", "export"]
+
+    # Preempt the training job once it has written its first periodic checkpoint.
+    _wait_for_file((run_dir / "checkpoints", "step_00000005"), 600, slurm_cluster, jobs["train"])
+    slurm_cluster.run("scancel", "--signal=USR1", "--batch", jobs["train"])
+    states = wait_for(slurm_cluster, list(jobs.values()), timeout=900)
+    assert set(states.values()) == {"COMPLETED"}, states
+    assert len([k for k in states if k.startswith(jobs["dump"] + "_")]) == 2  # two array tasks
+
+    # prepare + dump: both array tasks did part of the work, the finalize job wrote the manifest.
+    info = json.loads((run_dir / "prepared" / "info.json").read_text())
+    manifest = json.loads((run_dir / "shards" / "manifest.json").read_text())
+    assert manifest["num_samples"] == info["splits"]["train"]["samples"] > 0
+    shards = len(manifest["shards"])
+    assert shards >= 2
+    logs = _log(run_dir, f"dump-{jobs['dump']}_*.out")
+    assert [f"array task {rank} of 2" in log.read_text() for rank, log in enumerate(logs)] == [True, True]
+    # Task 0 ran its half (shards i % 2 == 0) from scratch; the single-process finalize found every
+    # shard done (so task 1 wrote the other half) and only wrote the manifest.
+    assert f"train: {shards} shards, {(shards + 1) // 2} for this process (0 already done)" in logs[0].read_text()
+    finalize = _log(run_dir, f"dump-finalize-{jobs['dump_finalize']}.out")[0].read_text()
+    assert f"train: {shards} shards, {shards} for this process ({shards} already done), 0 tokens to run" in finalize
+
+    # train: preempted, requeued, resumed from the checkpoint it saved, one log appended across runs.
+    train_log = _log(run_dir, f"train-{jobs['train']}.out")[0].read_text()
+    assert "restart 0 on" in train_log and "restart 1 on" in train_log
+    assert "USR1 received" in train_log and f"requeueing job {jobs['train']}" in train_log
+    stopped = int(re.search(r"SIGUSR1 at step (\d+): saved", train_log).group(1))
+    resumed = int(re.search(r"resumed from \S+ \(step (\d+)\)", train_log).group(1))
+    assert 5 <= stopped == resumed < TRAIN_STEPS
+    assert f"done at step {TRAIN_STEPS}" in train_log
+
+    # eval + export ran on the trained draft.
+    report = json.loads((run_dir / "eval" / "report.json").read_text())
+    assert report["settings"]["drafts"] == [str(run_dir / "checkpoints" / "best")]
+    assert report["configs"][0]["overall"]["tau"] >= 1.0
+    config = json.loads((run_dir / "export" / "sglang" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+
+    # The same training without interruption, on the same prepared data and shards.
+    ref_recipe = _tiny_recipe(tmp_path / "ref.yaml", runs, "slurm-ref", tiny_llama_dir)
+    ref_dir = runs / "slurm-ref"
+    ref_dir.mkdir(parents=True)
+    shutil.copytree(run_dir / "prepared", ref_dir / "prepared")
+    shutil.copytree(run_dir / "shards", ref_dir / "shards")
+    _submit([str(ref_recipe), "--stage", "train", "--gpus-per-node", "0", "--procs-per-node", "2"])
+    ref_job = _jobs(ref_dir)["train"]
+    assert wait_for(slurm_cluster, [ref_job], timeout=600) == {ref_job: "COMPLETED"}
+    assert "restart 1" not in _log(ref_dir, f"train-{ref_job}.out")[0].read_text()
+    final = f"step_{TRAIN_STEPS:08d}"
+    preempted, uninterrupted = _weights(run_dir / "checkpoints" / final), _weights(ref_dir / "checkpoints" / final)
+    assert preempted.keys() == uninterrupted.keys()
+    for name in preempted:
+        assert torch.equal(preempted[name], uninterrupted[name]), name
