@@ -57,21 +57,28 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     """Logits [..., V] -> sampling probabilities (float32) after temperature, top-k, top-p."""
     x = logits.float() / params.temperature
     vocab = x.shape[-1]
-    if 0 < params.top_k < vocab:
-        kth = x.topk(params.top_k, dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if params.top_p < 1.0:
+    use_top_k = 0 < params.top_k < vocab
+    if use_top_k or params.top_p < 1.0:
+        # one sort serves both filters: top-k keeps the first k, top-p the smallest prefix
+        # whose mass reaches top_p (the first token is always kept)
         sorted_x, order = x.sort(dim=-1, descending=True)
-        sorted_p = sorted_x.softmax(-1)
-        # keep the smallest prefix whose mass reaches top_p (the first token is always kept)
-        drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
-        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-        x = torch.full_like(x, float("-inf")).scatter(-1, order, sorted_x)
+        if use_top_k:
+            sorted_x[..., params.top_k:] = float("-inf")
+        if params.top_p < 1.0:
+            sorted_p = sorted_x.softmax(-1)
+            sorted_x = sorted_x.masked_fill((sorted_p.cumsum(-1) - sorted_p) >= params.top_p, float("-inf"))
+        x = torch.empty_like(x).scatter_(-1, order, sorted_x)
     return x.softmax(-1)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    """One draw from a probability vector (inverse CDF; cheaper than torch.multinomial per call)."""
+    cdf = probs.cumsum(-1)
+    u = torch.rand((1,), generator=generator, device=probs.device, dtype=cdf.dtype) * cdf[-1]
+    index = int(torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1).item())
+    if probs[index] <= 0:  # u landed on the float rounding at the very top: take the last token with mass
+        index = int(torch.nonzero(probs > 0)[-1].item())
+    return index
 
 
 def draw_candidates(logits: torch.Tensor, count: int, params: SamplingParams,
