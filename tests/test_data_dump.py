@@ -106,7 +106,7 @@ def test_batched_dump_matches_single_forward(workspace, model):
 
 @pytest.mark.parametrize("encoding,bound", [("int8", lambda x, a: a / 252), ("fp8", lambda x, a: x.abs() / 16 + a / 448 / 512)])
 def test_8bit_within_stated_bound(workspace, model, encoding, bound):
-    recipe = _run(workspace, encoding, f"dump.encoding={encoding}", "dump.token_budget=1")
+    recipe = _run(workspace, encoding, f"dump.encoding={encoding}")
     manifest = dump(recipe)
     reader = ShardReader(recipe.run_dir / "shards")
     worst = 0.0
@@ -115,7 +115,8 @@ def test_8bit_within_stated_bound(workspace, model, encoding, bound):
         x = _reference(model, s["input_ids"])[-1][0]
         a = x.abs().amax(dim=-1, keepdim=True)
         err = (s["last_hidden"] - x).abs()
-        assert bool((err <= bound(x, a) + 1e-6).all())
+        # the stated bound, plus 1e-5 of the absmax for the batched forward's fp32 rounding
+        assert bool((err <= bound(x, a) + 1e-5 * a).all())
         worst = max(worst, float((err / a).max()))
     assert worst > 0  # really quantised
     hidden = manifest["hidden_size"]
@@ -170,6 +171,7 @@ def test_killed_dump_resumes_to_identical_shards(workspace, monkeypatch):
     assert len(a["shards"]) > 4
 
 
+@pytest.mark.slow
 def test_sigkilled_dump_resumes_to_identical_shards(workspace):
     full = _run(workspace, "uninterrupted")
     if not (full.run_dir / "shards" / "manifest.json").exists():
