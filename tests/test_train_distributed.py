@@ -1,5 +1,6 @@
-"""Multi-process training on CPU (slow): 2-process DDP equals 1 process on the same global batch,
-2-process DeepSpeed ZeRO-2 trains, and a real SIGTERM checkpoints, exits 0 and resumes exactly."""
+"""Multi-process training on CPU (slow): 2-process DDP and DeepSpeed ZeRO-3 equal 1 process on the
+same global batch, 2-process DeepSpeed ZeRO-2 trains, and a real SIGTERM checkpoints, exits 0 and
+resumes exactly."""
 
 from __future__ import annotations
 
@@ -58,9 +59,16 @@ def _final_weights(run: Path) -> dict:
     return load_file(str(latest_checkpoint(run / "checkpoints") / "model.safetensors"))
 
 
-def test_ddp_two_processes_equal_one_process(workspace):
-    one, two = new_run(workspace, "one_proc"), new_run(workspace, "two_procs")
+@pytest.fixture(scope="module")
+def one_process(workspace) -> Path:
+    """The reference: 1 process, 2 micro-batches per step (the global batch of 2 processes x 1)."""
+    one = new_run(workspace, "one_proc")
     _launch([sys.executable, "-m", "eyas.train", str(workspace["recipe"]), "run.name=one_proc", "train.grad_accum=2"])
+    return one
+
+
+def test_ddp_two_processes_equal_one_process(workspace, one_process):
+    one, two = one_process, new_run(workspace, "two_procs")
     _launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "eyas.train",
              str(workspace["recipe"]), "run.name=two_procs"])
     a, b = _log(one), _log(two)
@@ -99,8 +107,19 @@ def test_deepspeed_zero2_two_processes_trains(workspace):
     assert len(losses) == 8 and sum(losses[-3:]) / 3 < 0.5 * losses[0]
 
 
+def test_deepspeed_zero3_two_processes_equal_one_process(workspace, one_process):
+    run = new_run(workspace, "zero3")
+    _launch(["accelerate", "launch", "--config_file", str(REPO / "recipes/accelerate/deepspeed_zero3.yaml"),
+             "--num_processes", "2", "-m", "eyas.train", str(workspace["recipe"]), "run.name=zero3"], timeout=400)
+    assert [r["loss"] for r in _log(run)] == pytest.approx([r["loss"] for r in _log(one_process)], rel=1e-4)
+    wa, wb = _final_weights(one_process), _final_weights(run)  # ZeRO-3 gathered the full draft for the files
+    for name in wa:
+        assert wa[name].shape == wb[name].shape, name
+        torch.testing.assert_close(wa[name], wb[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_sigterm_checkpoints_exits_zero_and_resumes_exactly(workspace):
-    total = 60
+    total = 40
     args = [sys.executable, "-m", "eyas.train", str(workspace["recipe"]), f"train.max_steps={total}",
             "train.save_every=0", "train.eval_every=0"]
     reference = new_run(workspace, "no_signal")

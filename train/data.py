@@ -131,25 +131,17 @@ def to_device(batch: dict, device: torch.device) -> dict:
 def read_target_weights(target_path: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(embedding [V,H], lm_head [V,H], final norm [H]) read straight from the target's safetensors.
 
-    The parameter names come from the model class itself, built on the meta device, so any
-    architecture works; without safetensors files the whole target is loaded instead.
+    Llama/Qwen-style names are tried first; other layouts ask the model class itself (built on
+    the meta device); without safetensors files the whole target is loaded instead.
     """
     import json
 
     from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
 
     from eyas.targets import load_target_config, resolve_target_path
 
     folder = resolve_target_path(target_path)
     config = load_target_config(target_path)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    names = {id(m): n for n, m in skeleton.named_modules()}
-    embed_name = names[id(skeleton.get_input_embeddings())] + ".weight"
-    head_name = names[id(skeleton.get_output_embeddings())] + ".weight"
-    base = getattr(skeleton, "model", skeleton)
-    norm_name = names[id(base.norm)] + ".weight" if hasattr(base, "norm") else None
     index = Path(folder) / "model.safetensors.index.json"
     if index.is_file():
         files = json.loads(index.read_text())["weight_map"]
@@ -158,6 +150,10 @@ def read_target_weights(target_path: str) -> tuple[torch.Tensor, torch.Tensor, t
             files = {k: "model.safetensors" for k in f.keys()}
     else:
         return _weights_from_full_model(target_path)
+
+    embed_name, head_name, norm_name = "model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"
+    if embed_name not in files or norm_name not in files:  # not the Llama/Qwen layout: ask the model class
+        embed_name, head_name, norm_name = _parameter_names(config)
 
     def read(name: str | None) -> torch.Tensor | None:
         if name is None or name not in files:
@@ -172,6 +168,19 @@ def read_target_weights(target_path: str) -> tuple[torch.Tensor, torch.Tensor, t
     if embed is None or head is None:
         return _weights_from_full_model(target_path)
     return embed, head, read(norm_name)
+
+
+def _parameter_names(config: Any) -> tuple[str, str, str | None]:
+    """Embedding, lm_head and final-norm weight names of the target's class (built on the meta device)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    names = {id(m): n for n, m in skeleton.named_modules()}
+    base = getattr(skeleton, "model", skeleton)
+    return (names[id(skeleton.get_input_embeddings())] + ".weight",
+            names[id(skeleton.get_output_embeddings())] + ".weight",
+            names[id(base.norm)] + ".weight" if hasattr(base, "norm") else None)
 
 
 def _weights_from_full_model(target_path: str):

@@ -257,6 +257,9 @@ class Trainer:
                                       weight_decay=self.cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lr_lambda(self.total_steps, self.cfg.warmup_steps, self.cfg.min_lr_ratio))
+        from eyas.train.heads import count_parameters
+
+        self.param_counts = count_parameters(head)  # before ZeRO-3 partitions the weights
         configure_deepspeed(acc, self.cfg)
         head.to(self.device)
         self.model, self.optimizer = acc.prepare(head, optimizer)
@@ -500,7 +503,6 @@ class Trainer:
     def run(self, stop_at_step: int | None = None) -> dict:
         from eyas.config import save_resolved
         from eyas.train.data import BatchStream
-        from eyas.train.heads import count_parameters
         from eyas.train.metrics import MetricsLogger
 
         acc, cfg = self.accelerator, self.cfg
@@ -509,7 +511,7 @@ class Trainer:
         if acc.is_main_process:
             save_resolved(self.recipe, self.ckpt_root)
         logger = MetricsLogger(acc, self.recipe, self.total_steps, self.state.step)
-        trainable, total = count_parameters(self.head)
+        trainable, total = self.param_counts
         logger.message(
             f"eyas train: {self.kind} head ({trainable:,} trainable of {total:,} parameters), "
             f"{self.total_steps} steps of {acc.num_processes} x {cfg.grad_accum} x {cfg.token_budget} tokens, "
