@@ -228,11 +228,12 @@ def _build_static(tree: Tree, shape: Shape, root_logits: torch.Tensor, expander:
                 logits_of[path] = row
 
 
-def _scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Draft log-probabilities used to rank dynamic-tree nodes (T=0 ranks with T=1 probabilities)."""
+def _top_children(logits: torch.Tensor, k: int, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best children per row by draft log-probability (T=0 ranks with T=1 probabilities)."""
     if params.greedy:
-        return logits.float().log_softmax(-1)
-    return process_logits(logits, params).log()
+        return logits.float().log_softmax(-1).topk(k, dim=-1)
+    top = process_logits(logits, params).topk(k, dim=-1)  # log of k values, not of the vocabulary
+    return top.values.log(), top.indices
 
 
 def _build_dynamic(tree: Tree, shape: Shape, root_logits: torch.Tensor, expander: _Expander,
@@ -242,18 +243,19 @@ def _build_dynamic(tree: Tree, shape: Shape, root_logits: torch.Tensor, expander
     # candidate pool: (score, depth, order, parent_candidate, token); the root is candidate -1
     pool: list[tuple[float, int, int, int, int]] = []
 
-    def add_children(parent_cand: int, parent_score: float, depth: int, logits: torch.Tensor) -> list[int]:
-        logp = _scores(logits, params)
-        top = logp.topk(min(k, logp.shape[-1]))
+    def add_children(parents: list[tuple[int, float]], depth: int, logits: torch.Tensor) -> list[int]:
+        """Top-k children of each (candidate, score) parent; logits [n, V], scored in one batch."""
+        values_all, tokens_all = _top_children(logits, min(k, logits.shape[-1]), params)
         made = []
-        for value, token in zip(top.values.tolist(), top.indices.tolist()):
-            if value == float("-inf"):
-                break  # filtered out by top-k/top-p: never a useful candidate
-            pool.append((parent_score + value, depth, len(pool), parent_cand, token))
-            made.append(len(pool) - 1)
+        for (parent_cand, parent_score), values, tokens in zip(parents, values_all.tolist(), tokens_all.tolist()):
+            for value, token in zip(values, tokens):
+                if value == float("-inf"):
+                    break  # filtered out by top-k/top-p: never a useful candidate
+                pool.append((parent_score + value, depth, len(pool), parent_cand, token))
+                made.append(len(pool) - 1)
         return made
 
-    frontier = add_children(-1, 0.0, 1, root_logits)
+    frontier = add_children([(-1, 0.0)], 1, root_logits[None])
     draft_nodes: dict[int, int] = {}  # candidate -> the draft's id for it
     next_id = 0
     for depth in range(2, shape.depth + 1):
@@ -265,10 +267,7 @@ def _build_dynamic(tree: Tree, shape: Shape, root_logits: torch.Tensor, expander
         for c in frontier:
             draft_nodes[c] = next_id
             next_id += 1
-        new = []
-        for c, row in zip(frontier, logits):
-            new += add_children(c, pool[c][0], depth, row)
-        frontier = new
+        frontier = add_children([(c, pool[c][0]) for c in frontier], depth, logits)
     # rerank: best N by score; ties go to the shallower (so a parent always precedes its child)
     chosen = sorted(range(len(pool)), key=lambda c: (-pool[c][0], pool[c][1], pool[c][2]))[: shape.nodes]
     index_of: dict[int, int] = {-1: 0}

@@ -53,22 +53,39 @@ class SamplingParams:
         return self.temperature == 0
 
 
+NUCLEUS_FIRST = 256  # top-p looks at this many best tokens first; a full sort only when they hold < top_p
+
+
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Logits [..., V] -> sampling probabilities (float32) after temperature, top-k, top-p."""
+    """Logits [..., V] -> sampling probabilities (float32) after temperature, top-k, top-p.
+
+    top-k keeps the k best tokens; top-p then keeps the smallest prefix (best first) whose mass
+    reaches top_p (the first token is always kept). The same function shapes p and q.
+    """
     x = logits.float() / params.temperature
     vocab = x.shape[-1]
     use_top_k = 0 < params.top_k < vocab
-    if use_top_k or params.top_p < 1.0:
-        # one sort serves both filters: top-k keeps the first k, top-p the smallest prefix
-        # whose mass reaches top_p (the first token is always kept)
-        sorted_x, order = x.sort(dim=-1, descending=True)
-        if use_top_k:
-            sorted_x[..., params.top_k:] = float("-inf")
-        if params.top_p < 1.0:
-            sorted_p = sorted_x.softmax(-1)
-            sorted_x = sorted_x.masked_fill((sorted_p.cumsum(-1) - sorted_p) >= params.top_p, float("-inf"))
-        x = torch.empty_like(x).scatter_(-1, order, sorted_x)
-    return x.softmax(-1)
+    if not use_top_k and params.top_p >= 1.0:
+        return x.softmax(-1)
+    kept_set = params.top_k if use_top_k else vocab
+    if params.top_p < 1.0 and kept_set > NUCLEUS_FIRST:
+        # fast path: the nucleus usually lies within the best few hundred tokens; exact when it does
+        values, order = x.topk(NUCLEUS_FIRST, dim=-1)
+        pool = x.topk(kept_set, dim=-1).values if use_top_k else x
+        probs = (values - pool.logsumexp(-1, keepdim=True)).exp()
+        if bool((probs.sum(-1) >= params.top_p).all()):
+            return _scatter_kept(x, values, order, probs, params.top_p)
+    values, order = x.topk(kept_set, dim=-1)  # sorted, best first
+    probs = values.softmax(-1)
+    return _scatter_kept(x, values, order, probs, params.top_p)
+
+
+def _scatter_kept(x: torch.Tensor, values: torch.Tensor, order: torch.Tensor, probs: torch.Tensor,
+                  top_p: float) -> torch.Tensor:
+    """Softmax over the kept candidates (best first), every other token at probability 0."""
+    if top_p < 1.0:
+        values = values.masked_fill((probs.cumsum(-1) - probs) >= top_p, float("-inf"))
+    return torch.full_like(x, float("-inf")).scatter_(-1, order, values).softmax(-1)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
