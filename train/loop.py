@@ -389,7 +389,7 @@ class Trainer:
             # a rank short of batches repeats one and discards the result.
             real = index < len(mine)
             batch = self._prepare_batch(pad_batch([reader.sample(int(i)) for i in (mine[index] if real else spare)]))
-            out = self.model(batch, self.teacher, steps, self.mix, token_feed="draft",
+            out = self.model(batch, self.teacher, steps, self.mix, token_feed=self.token_feed,
                              teacher_top=self._reference_argmax(batch))
             if real:
                 sums[:steps] += torch.stack([s.float() for s in out["loss_sums"]])
