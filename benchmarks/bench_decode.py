@@ -12,7 +12,8 @@ Default draft: the target's first 4 layers with its norm and lm_head (`truncated
 LM that needs no training; on SmolLM2 it agrees with the target rarely and costs about a
 third of a target forward (the 49152 x 576 lm_head dominates), so expect tau near 1 and a
 speedup below 1 until a trained head is given with --draft.
-Prints `BENCH <name> <value> <unit>` lines and writes benchmarks/results/bench_decode.json.
+Prints `BENCH <name> <value> <unit>` lines and writes benchmarks/results/bench_decode.json and
+the acceptance curves of the last repeat to benchmarks/results/bench_decode.png.
 """
 
 from __future__ import annotations
@@ -115,6 +116,12 @@ def main(argv=None) -> int:
                   f"bookkeeping {f['bookkeeping_frac']:.1%}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    from eyas.eval.report import plot
+
+    curves = {"target": {"name": args.target},
+              "settings": {"temperature": args.temperature, "prompts_used": len(encoded)},
+              "configs": runs[-1]["configs"]}
+    plot(curves, out.with_suffix(".png"))
     out.write_text(json.dumps({
         "script": "benchmarks/bench_decode.py",
         "command": " ".join(["python", "benchmarks/bench_decode.py"] + (sys.argv[1:] if argv is None else argv)),
@@ -128,7 +135,7 @@ def main(argv=None) -> int:
         "figures": figures, "configs": per_config, "seconds": time.time() - start,
         "runs": runs,
     }, indent=2, default=str))
-    print(f"wrote {out}")
+    print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
 
 
