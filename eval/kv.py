@@ -24,6 +24,11 @@ def cache_kwarg(model) -> str:
 
 
 def check_attention(model) -> None:
+    """The decoder needs full-attention layers (prunable caches) and a kernel that takes a 4D mask."""
+    sliding = [t for t in (getattr(model.config, "layer_types", None) or []) if t != "full_attention"]
+    if sliding:
+        raise EyasError(f"the target has {len(sliding)} '{sliding[0]}' layers; the eval decoder prunes full-attention "
+                        "KV caches only (sliding-window and linear-attention targets are not supported yet)")
     impl = getattr(model.config, "_attn_implementation", "sdpa")
     if impl not in ("sdpa", "eager"):
         raise EyasError(
