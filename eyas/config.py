@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,24 @@ from typing import Any
 import yaml
 
 from eyas.errors import EyasError
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """YAML with 1.2 booleans: only true/false are booleans, so `no`, `on`, `off` stay strings
+    (`train.mixed_precision: no` means the word, not False)."""
+
+
+_RecipeLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_RecipeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_RecipeLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 def _doc(text: str, default: Any = dataclasses.MISSING, factory: Any = dataclasses.MISSING):
@@ -126,7 +145,7 @@ class TrainConfig:
     loss: str = _doc("Distribution loss: forward_kl, ce, tv, jsd, or a mix like `forward_kl:0.9,ce:0.1`.", "forward_kl")
     feature_loss_weight: float = _doc("eagle: weight of the smooth-L1 feature regression.", 1.0)
     teacher_chunk: int = _doc("Positions per chunk when recomputing the teacher through lm_head.", 2048)
-    mixed_precision: str = _doc("auto (bf16 on GPU, fp32 on CPU), fp32 (= 'no', quoted in YAML), bf16 or fp16.", "auto")
+    mixed_precision: str = _doc("auto (bf16 on GPU, fp32 on CPU), fp32 (or no), bf16 or fp16.", "auto")
     eval_every: int = _doc("Held-out evaluation every N steps (0: only at the end).", 500)
     eval_batches: int = _doc("Held-out micro-batches per evaluation.", 20)
     save_every: int = _doc("Checkpoint every N steps (0: only at the end).", 500)
@@ -352,7 +371,7 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             raise EyasError(f"override '{item}' must look like section.key=value (for example train.lr=3e-4)")
         section, key = dotted.split(".")
         try:
-            value = yaml.safe_load(text) if text != "" else ""
+            value = _yaml(text) if text != "" else ""
         except yaml.YAMLError as exc:
             raise EyasError(f"override '{item}': value is not valid YAML ({exc.problem})") from None
         if isinstance(value, str) and _looks_numeric(value):
@@ -380,7 +399,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
         if not p.is_file():
             raise EyasError(f"recipe file '{path}' does not exist; pass the path of a YAML recipe (see recipes/)")
         try:
-            raw = yaml.safe_load(p.read_text())
+            raw = _yaml(p.read_text())
         except yaml.YAMLError as exc:
             where = getattr(exc, "problem_mark", None)
             at = f" at line {where.line + 1}" if where else ""

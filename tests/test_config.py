@@ -122,3 +122,8 @@ def test_shipped_recipes_load():
     recipes = sorted(RECIPES.glob("*.yaml"))
     for path in recipes:
         load_recipe(path)
+
+
+def test_yaml_words_no_on_off_stay_strings(tmp_path):
+    r = load_recipe(write(tmp_path, "train: {mixed_precision: no, resume: false}\n"), ["data.regenerate=true"])
+    assert r.train.mixed_precision == "no" and r.train.resume is False and r.data.regenerate is True
