@@ -127,3 +127,9 @@ def test_shipped_recipes_load():
 def test_yaml_words_no_on_off_stay_strings(tmp_path):
     r = load_recipe(write(tmp_path, "train: {mixed_precision: no, resume: false}\n"), ["data.regenerate=true"])
     assert r.train.mixed_precision == "no" and r.train.resume is False and r.data.regenerate is True
+
+
+def test_readme_key_reference_is_current():
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    start, end = readme.index("<!-- KEYS -->\n") + len("<!-- KEYS -->\n"), readme.index("\n<!-- /KEYS -->")
+    assert readme[start:end] == reference_markdown(), "regenerate the README table with eyas.config.reference_markdown()"

@@ -127,7 +127,7 @@ def test_8bit_within_stated_bound(workspace, model, encoding, bound):
 
 
 def test_int4_low_layer_and_topk_teacher(workspace, model):
-    recipe = _run(workspace, "compact", "dump.low_layer_encoding=int4", "dump.teacher=topk", "dump.topk=8",
+    recipe = _run(workspace, "compact", "dump.encoding=int8", "dump.low_layer_encoding=int4", "dump.teacher=topk", "dump.topk=8",
                   "dump.token_budget=1")
     manifest = dump(recipe)
     assert set(manifest["features"]) == {"aux_hidden", "topk_values", "topk_ids"}
