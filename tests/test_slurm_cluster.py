@@ -50,13 +50,20 @@ def job_states(cluster, job_id: str) -> dict[str, str]:
 
 
 def wait_for(cluster, job_ids: list[str], timeout: float) -> dict[str, str]:
-    """Wait until every job (and array task) is in a final state; returns all their states."""
+    """Wait until every job (and array task) is in a final state; returns all their states.
+
+    A job that `scontrol` did not report this round (a busy controller times out) counts as
+    not finished, so a transient failure cannot end the wait early.
+    """
     deadline = time.monotonic() + timeout
     while True:
         states: dict[str, str] = {}
+        reported = True
         for job_id in job_ids:
-            states.update(job_states(cluster, job_id))
-        if states and all(s in FINAL_STATES for s in states.values()):
+            found = job_states(cluster, job_id)
+            reported = reported and any(k == job_id or k.startswith(job_id + "_") for k in found)
+            states.update(found)
+        if reported and all(s in FINAL_STATES for s in states.values()):
             return states
         if time.monotonic() > deadline:
             raise AssertionError(f"jobs not finished after {timeout:.0f} s: {states}")
@@ -143,6 +150,11 @@ def _log(run_dir: Path, pattern: str) -> list[Path]:
     return sorted((run_dir / "slurm" / "logs").glob(pattern))
 
 
+def _text(log: Path) -> str:
+    """A job log as text; two ranks writing progress bars at once can split a multi-byte character."""
+    return log.read_bytes().decode("utf-8", errors="replace")
+
+
 def _wait_for_file(path_glob: tuple[Path, str], timeout: float, cluster, job_id: str) -> None:
     folder, pattern = path_glob
     deadline = time.monotonic() + timeout
@@ -194,15 +206,15 @@ def test_submit_all_on_a_real_cluster_with_preemption(slurm_cluster, tmp_path, t
     shards = len(manifest["shards"])
     assert shards >= 2
     logs = _log(run_dir, f"dump-{jobs['dump']}_*.out")
-    assert [f"array task {rank} of 2" in log.read_text() for rank, log in enumerate(logs)] == [True, True]
+    assert [f"array task {rank} of 2" in _text(log) for rank, log in enumerate(logs)] == [True, True]
     # Task 0 ran its half (shards i % 2 == 0) from scratch; the single-process finalize found every
     # shard done (so task 1 wrote the other half) and only wrote the manifest.
-    assert f"train: {shards} shards, {(shards + 1) // 2} for this process (0 already done)" in logs[0].read_text()
-    finalize = _log(run_dir, f"dump-finalize-{jobs['dump_finalize']}.out")[0].read_text()
+    assert f"train: {shards} shards, {(shards + 1) // 2} for this process (0 already done)" in _text(logs[0])
+    finalize = _text(_log(run_dir, f"dump-finalize-{jobs['dump_finalize']}.out")[0])
     assert f"train: {shards} shards, {shards} for this process ({shards} already done), 0 tokens to run" in finalize
 
     # train: preempted, requeued, resumed from the checkpoint it saved, one log appended across runs.
-    train_log = _log(run_dir, f"train-{jobs['train']}.out")[0].read_text()
+    train_log = _text(_log(run_dir, f"train-{jobs['train']}.out")[0])
     assert "restart 0 on" in train_log and "restart 1 on" in train_log
     assert "USR1 received" in train_log and f"requeueing job {jobs['train']}" in train_log
     stopped = int(re.search(r"SIGUSR1 at step (\d+): saved", train_log).group(1))
@@ -226,7 +238,7 @@ def test_submit_all_on_a_real_cluster_with_preemption(slurm_cluster, tmp_path, t
     _submit([str(ref_recipe), "--stage", "train", "--gpus-per-node", "0", "--procs-per-node", "2"])
     ref_job = _jobs(ref_dir)["train"]
     assert wait_for(slurm_cluster, [ref_job], timeout=600) == {ref_job: "COMPLETED"}
-    assert "restart 1" not in _log(ref_dir, f"train-{ref_job}.out")[0].read_text()
+    assert "restart 1" not in _text(_log(ref_dir, f"train-{ref_job}.out")[0])
     final = f"step_{TRAIN_STEPS:08d}"
     preempted, uninterrupted = _weights(run_dir / "checkpoints" / final), _weights(ref_dir / "checkpoints" / final)
     assert preempted.keys() == uninterrupted.keys()
