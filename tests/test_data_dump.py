@@ -232,7 +232,7 @@ def test_other_target_refused_and_changed_settings_refused(workspace, tiny_qwen2
     other = target_identity(load_target_config(str(tiny_qwen2_dir)), load_tokenizer(type(recipe.target)(path=str(tiny_qwen2_dir))))
     with pytest.raises(EyasError, match="another target or tokenizer"):
         ShardReader(recipe.run_dir / "shards", expect_identity=other)
-    changed = _run(workspace, "uninterrupted", "dump.encoding=fp8")
+    changed = _run(workspace, "uninterrupted", "dump.encoding=int8")
     with pytest.raises(EyasError, match="changed: encoding"):
         dump(changed)
 
