@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from eyas.errors import EyasError
-from eyas.eval.kv import additive_mask, cache_kwarg, cache_length, keep_positions, new_cache
+from eyas.eval.kv import additive_mask, cache_kwarg, keep_positions, new_cache
 from eyas.eval.verify import SamplingParams, process_logits
 
 

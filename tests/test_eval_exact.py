@@ -49,7 +49,6 @@ def tiny_vocab_target(folder):
 @pytest.fixture(scope="module")
 def tables(tmp_path_factory):
     """Target and draft logits for CONTEXT + every 0-, 1- and 2-token continuation."""
-    from transformers import AutoModelForCausalLM
 
     target = tiny_vocab_target(tmp_path_factory.mktemp("tiny_vocab"))
     draft = truncated_target(target, 2)
