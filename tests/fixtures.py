@@ -53,28 +53,18 @@ def build_tokenizer(vocab_size: int = 384):
     return fast
 
 
-def _llama_config(vocab_size: int, **overrides):
-    from transformers import LlamaConfig
+def _tiny_config(family: str, vocab_size: int, **overrides):
+    """A tiny config of the target family; Qwen2 differs by attention biases and its norm eps."""
+    from transformers import LlamaConfig, Qwen2Config
 
     base = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        rms_norm_eps=1e-5 if family == "llama" else 1e-6, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
     base.update(overrides)
-    return LlamaConfig(**base)
-
-
-def _qwen2_config(vocab_size: int, **overrides):
-    from transformers import Qwen2Config
-
-    base = dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )
-    base.update(overrides)
-    return Qwen2Config(**base)
+    return (LlamaConfig if family == "llama" else Qwen2Config)(**base)
 
 
 def build_tiny_target(out_dir: str | Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
@@ -91,7 +81,7 @@ def build_tiny_target(out_dir: str | Path, family: str = "llama", seed: int = 0,
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer()
     vocab = len(tokenizer)
-    config = (_llama_config if family == "llama" else _qwen2_config)(vocab, **overrides)
+    config = _tiny_config(family, vocab, **overrides)
     config.bos_token_id = tokenizer.bos_token_id
     config.eos_token_id = tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id

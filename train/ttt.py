@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-
 from eyas.train.heads import DraftHead, TTTCache
 from eyas.train.losses import Teacher, TeacherDist, step_losses
 
