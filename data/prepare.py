@@ -31,7 +31,7 @@ from typing import Any
 
 from eyas.errors import EyasError
 
-from eyas.data.sources import Skips, load_rows, split_heldout
+from eyas.data.sources import Skips, first_turns, load_rows, split_heldout
 
 SPLITS = ("train", "heldout")
 # Skip reasons (stable strings: they are the keys of skipped.json)
@@ -340,10 +340,15 @@ def prepare(recipe: Any, tokenizer: Any = None, model: Any = None) -> dict:
     if not getattr(tokenizer, "is_fast", False):
         raise EyasError("prepare needs a fast tokenizer (offset mappings); the target's tokenizer is a slow one")
     rows, skips = load_rows(recipe.data.source, recipe.data.format, recipe.data.max_samples)
+    rows = first_turns(rows, recipe.data.max_turns)
     train_rows, heldout_rows = split_heldout(rows, recipe.data.heldout_fraction, recipe.run.seed)
     if recipe.data.regenerate:
         from eyas.data.regenerate import regenerate_rows
 
+        if model is None and not recipe.data.regenerate_endpoint:
+            from eyas.targets import load_target
+
+            model, _ = load_target(recipe.target)  # once, for both splits
         train_rows = regenerate_rows(train_rows, recipe, tokenizer, model=model)
         heldout_rows = regenerate_rows(heldout_rows, recipe, tokenizer, model=model)
     info = {"source": recipe.data.source, "tokenizer_identity": tokenizer_identity(tokenizer),

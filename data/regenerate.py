@@ -3,7 +3,11 @@
 A draft learns to predict the target; training it on another author's answers teaches it a
 distribution the target never produces. With `data.regenerate: true`, prepare asks the target
 for every assistant turn in order, given the conversation so far (earlier turns already
-regenerated), and keeps the user turns as they are.
+regenerated), and keeps the user turns as they are. A conversation that ends on a user turn
+gets the target's reply appended, so prompt-only rows become training data. With
+`data.max_turns: N` prepare has already cut each conversation after its N-th exchange, which
+spends the generation budget on more conversations instead of longer ones (and drops later
+user turns that answered replies the target did not write).
 
 Two back ends:
 - the target itself through HF `generate`, batched with left padding (conversations are grouped
@@ -27,6 +31,18 @@ from typing import Any, Callable
 from eyas.errors import EyasError
 
 
+def with_reply_slots(rows: list[dict]) -> list[dict]:
+    """Copies of the rows in which a conversation ending on a user turn gets an empty assistant
+    turn for the target to fill."""
+    out = []
+    for row in rows:
+        messages = [dict(m) for m in row.get("messages") or []]
+        if messages and messages[-1]["role"] == "user":
+            messages.append({"role": "assistant", "content": ""})
+        out.append(dict(row, messages=messages) if messages else dict(row))
+    return out
+
+
 def _turn_slots(rows: list[dict]) -> list[list[tuple[int, int]]]:
     """slots[r] = (row, message index) of every conversation's r-th assistant turn."""
     slots: list[list[tuple[int, int]]] = []
@@ -44,11 +60,17 @@ def _turn_slots(rows: list[dict]) -> list[list[tuple[int, int]]]:
 def regenerate_conversations(rows: list[dict], generate: Callable[[list[list[dict]]], list[str]],
                              prompt_tokens: Callable[[list[dict]], int], max_length: int,
                              batch_size: int, progress: Any = None) -> tuple[list[dict], Counter]:
-    """Replace assistant turns in order; `generate` maps a batch of prompts (message lists) to replies."""
-    rows = [dict(r, messages=[dict(m) for m in r["messages"]]) if r.get("messages") else dict(r) for r in rows]
+    """Replace assistant turns in order; `generate` maps a batch of prompts (message lists) to replies.
+
+    Returns new rows (see `with_reply_slots`) and counts by outcome; `progress` (tqdm) counts turns.
+    """
+    rows = with_reply_slots(rows)
+    turn_slots = _turn_slots(rows)
+    if progress is not None:
+        progress.reset(total=sum(len(s) for s in turn_slots))
     stats: Counter = Counter()
     stopped: set[int] = set()  # conversations whose prompt already reached max_length
-    for slots in _turn_slots(rows):
+    for slots in turn_slots:
         jobs = []
         for row_i, msg_i in slots:
             if row_i in stopped:
@@ -81,15 +103,20 @@ def regenerate_conversations(rows: list[dict], generate: Callable[[list[list[dic
 
 
 def hf_generator(model: Any, tokenizer: Any, max_new_tokens: int, temperature: float, seed: int):
-    """A `generate(prompts) -> replies` function running the target with left padding."""
+    """A `generate(prompts) -> replies` function running the target over left-padded batches."""
     import torch
+
+    from eyas.eval.kv import cache_kwarg
 
     device = next(model.parameters()).device
     eos = {tokenizer.eos_token_id}
     config_eos = getattr(model.generation_config, "eos_token_id", None)
     eos |= set(config_eos if isinstance(config_eos, list) else [config_eos] if config_eos is not None else [])
     eos.discard(None)
-    generator_seed = [seed]
+    eos_ids = torch.tensor(sorted(eos), device=device)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    cache_kw = cache_kwarg(model)
 
     def generate(prompts: list[list[dict]]) -> list[str]:
         texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
@@ -99,19 +126,51 @@ def hf_generator(model: Any, tokenizer: Any, max_new_tokens: int, temperature: f
             enc = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt").to(device)
         finally:
             tokenizer.padding_side = side
-        kwargs: dict = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=sorted(eos))
-        if temperature > 0:
-            torch.manual_seed(generator_seed[0])
-            generator_seed[0] += 1
-            kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
-        else:
-            kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
         with torch.inference_mode():
-            out = model.generate(**enc, **kwargs)
-        new = out[:, enc["input_ids"].shape[1]:]
+            new = _decode_batch(model, cache_kw, enc["input_ids"], enc["attention_mask"], max_new_tokens,
+                                temperature, eos_ids, generator)
         return [tokenizer.decode(seq, skip_special_tokens=True).strip() for seq in new]
 
     return generate
+
+
+def _decode_batch(model: Any, cache_kw: str, input_ids, attention_mask, max_new_tokens: int, temperature: float,
+                  eos_ids, generator) -> list[list[int]]:
+    """Greedy (temperature 0) or sampled continuations of a left-padded batch, EOS excluded.
+
+    A plain loop over the KV cache rather than HF `generate`: finished rows leave the batch
+    (their cache rows are dropped), so a batch costs what its live rows need; on 2 CPU cores
+    this is about twice as fast as `generate` on chitchat replies.
+    """
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    live = torch.arange(input_ids.shape[0], device=input_ids.device)  # original row of each batch row
+    out: list[list[int]] = [[] for _ in range(input_ids.shape[0])]
+    mask = attention_mask
+    ids, positions = input_ids, (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    for _ in range(max_new_tokens):
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                       logits_to_keep=1, **{cache_kw: cache}).logits[:, -1].float()
+        if temperature > 0:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        else:
+            token = logits.argmax(-1)
+        done = torch.isin(token, eos_ids)
+        for row, tok in zip(live[~done].tolist(), token[~done].tolist()):
+            out[row].append(tok)
+        if done.all():
+            break
+        if done.any():
+            keep = (~done).nonzero().squeeze(1)
+            cache.batch_select_indices(keep)
+            live, token, mask, positions = live[keep], token[keep], mask[keep], positions[keep]
+        ids = token.unsqueeze(1)
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        positions = positions[:, -1:] + 1
+    return out
 
 
 # ----------------------------------------------------------------------------- an endpoint
@@ -196,10 +255,10 @@ def regenerate_rows(rows: list[dict], recipe: Any, tokenizer: Any, model: Any = 
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    total = sum(len(s) for s in _turn_slots(rows))
-    with tqdm(total=total, unit="turn", desc="regenerating", dynamic_ncols=True, disable=not total) as progress:
+    with tqdm(unit="turn", desc="regenerating", dynamic_ncols=True) as progress:
         new_rows, stats = regenerate_conversations(rows, generate, prompt_tokens, data.max_length,
                                                    data.regenerate_batch_size, progress)
+    total = sum(stats.values()) - stats["empty reply"]
     summary = ", ".join(f"{n} {k}" for k, n in sorted(stats.items()) if n)
     print(f"eyas prepare: regenerated assistant turns with {where}: {summary or 'nothing to do'}", flush=True)
     if total and stats["kept: endpoint error"] == total:

@@ -184,6 +184,22 @@ def load_rows(source: str, fmt: str = "auto", max_samples: int = 0) -> tuple[lis
     return rows, skips
 
 
+def first_turns(rows: list[dict], max_turns: int) -> list[dict]:
+    """Rows cut after their `max_turns`-th assistant turn (0: unchanged); text rows pass through."""
+    if not max_turns:
+        return rows
+    out = []
+    for row in rows:
+        messages, replies = [], 0
+        for message in row.get("messages") or []:
+            if replies >= max_turns:
+                break
+            messages.append(message)
+            replies += message["role"] == "assistant"
+        out.append(dict(row, messages=messages) if messages else row)
+    return out
+
+
 def is_heldout(row_id: str, fraction: float, seed: int = 0) -> bool:
     """Deterministic split by conversation id: stable across runs, machines and max_samples."""
     digest = hashlib.sha256(f"{seed}:{row_id}".encode()).digest()

@@ -232,4 +232,6 @@ def load_head_draft(directory: Path, target, tokenizer, device=None, target_path
     head, meta = load_draft(directory, device=device or target.device, dtype=target.dtype)
     if head.d2t is not None and int(head.d2t.numel()) != int(head.draft_vocab_size):
         raise EyasError(f"draft '{directory}': its d2t map does not match its draft vocabulary")
-    return HeadDraft(head.eval().requires_grad_(False), f"{config['kind']}:{directory.name}")
+    # `<run>/checkpoints/step_N` is labelled by its run (several runs' drafts compared in one table)
+    owner = directory.parent.parent.name if directory.parent.name == "checkpoints" else config["kind"]
+    return HeadDraft(head.eval().requires_grad_(False), f"{owner}:{directory.name}")

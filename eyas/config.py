@@ -87,6 +87,9 @@ class DataConfig:
     heldout_fraction: float = _doc("Fraction of conversations held out for eval, split deterministically by conversation.", 0.02)
     system_prompt: str = _doc("System prompt added to conversations that have none (empty: none added).", "")
     max_length: int = _doc("Longest tokenised sample, in tokens.", 2048)
+    max_turns: int = _doc(
+        "Keep each conversation's first N exchanges (a user turn and its reply), dropping the rest (0: all).", 0
+    )
     overflow: str = _doc("What to do with longer samples: truncate or drop.", "truncate")
     num_proc: int = _doc("Worker processes for tokenisation (datasets.map).", 1)
     regenerate: bool = _doc("Replace assistant turns with the target's own responses.", False)
@@ -236,7 +239,7 @@ _POSITIVE = ["train.lr", "train.token_budget", "train.grad_accum", "train.ttt_st
              "data.regenerate_max_new_tokens", "data.regenerate_batch_size", "dump.token_budget",
              "dump.shard_tokens", "dump.topk", "eval.max_new_tokens", "train.epochs", "train.keep_last",
              "train.eval_batches"]
-_NON_NEGATIVE = ["train.prefetch", "train.max_steps", "train.warmup_steps", "train.weight_decay", "train.max_grad_norm",
+_NON_NEGATIVE = ["train.prefetch", "train.max_steps", "data.max_turns", "train.warmup_steps", "train.weight_decay", "train.max_grad_norm",
                  "train.eval_every", "train.save_every", "train.feature_loss_weight", "data.max_samples",
                  "data.regenerate_temperature", "dump.draft_vocab_size", "draft.intermediate_size",
                  "eval.max_prompts", "eval.temperature", "eval.top_k", "export.num_speculative_tokens"]

@@ -48,6 +48,51 @@ def test_batched_generate_equals_one_by_one_greedy(tiny_llama_dir):
     assert ROWS[0]["messages"][1]["content"] == "original 1"  # the input rows are not modified
 
 
+def test_finished_rows_leave_the_batch_without_changing_the_others(tiny_llama_dir):
+    """Rows that hit EOS early are dropped from the batch and its KV cache; every reply must still
+    equal HF `generate` run on that prompt alone."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    prompts = [[{"role": "user", "content": text}] for text in
+               ("Hello, how are you doing today?", "hi", "Tell me a story about a hawk, a long one please.", "ok?")]
+    singles = [tok.apply_chat_template(p, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+               for p in prompts]
+    # make EOS a token the tiny random model does emit, at different steps for different prompts
+    free_run = [model.generate(**enc, max_new_tokens=12, do_sample=False)[0, enc["input_ids"].shape[1]:] for enc in singles]
+    stop = int(free_run[0][3])
+    model.generation_config.eos_token_id = [tok.eos_token_id, stop]
+    expected = []
+    for enc in singles:
+        out = model.generate(**enc, max_new_tokens=12, do_sample=False, eos_token_id=[tok.eos_token_id, stop],
+                             pad_token_id=tok.pad_token_id)[0, enc["input_ids"].shape[1]:].tolist()
+        expected.append(tok.decode([t for t in out if t not in (stop, tok.eos_token_id)], skip_special_tokens=True).strip())
+    lengths = [len(r) for r in expected]
+    assert min(lengths) < max(lengths)  # some rows really finish early
+    assert hf_generator(model, tok, max_new_tokens=12, temperature=0.0, seed=0)(prompts) == expected
+
+
+def test_max_turns_cuts_conversations_and_prompt_only_rows_get_a_reply():
+    from eyas.data.sources import first_turns
+
+    seen = []
+
+    def generate(prompts):
+        seen.extend(prompts)
+        return [f"reply to {p[-1]['content']}" for p in prompts]
+
+    prompt_only = {"id": "p", "messages": [{"role": "user", "content": "only a question"}]}
+    cut = first_turns(ROWS + [prompt_only], 1)
+    assert len(cut[0]["messages"]) == 2 and cut[3] == ROWS[3] and first_turns(ROWS, 0) is ROWS
+    rows, stats = regenerate_conversations(cut, generate, lambda m: 1, max_length=100, batch_size=8)
+    assert [m["content"] for m in rows[0]["messages"]] == ["Hello, how are you doing today?",
+                                                          "reply to Hello, how are you doing today?"]
+    assert rows[4]["messages"][-1] == {"role": "assistant", "content": "reply to only a question"}
+    assert stats["regenerated"] == 4 and len(seen) == 4
+    assert prompt_only["messages"] == [{"role": "user", "content": "only a question"}]  # input untouched
+
+
 def test_long_prompts_are_left_alone():
     calls = []
 
