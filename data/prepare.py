@@ -22,6 +22,7 @@ Output: `run_dir/prepared/{train,heldout}` (`datasets` save_to_disk) with column
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -348,7 +349,8 @@ def prepare(recipe: Any, tokenizer: Any = None, model: Any = None) -> dict:
         if model is None and not recipe.data.regenerate_endpoint:
             from eyas.targets import load_target
 
-            model, _ = load_target(recipe.target)  # once, for both splits
+            dtype = recipe.data.regenerate_dtype or recipe.target.dtype
+            model, _ = load_target(dataclasses.replace(recipe.target, dtype=dtype))  # once, for both splits
         train_rows = regenerate_rows(train_rows, recipe, tokenizer, model=model)
         heldout_rows = regenerate_rows(heldout_rows, recipe, tokenizer, model=model)
     info = {"source": recipe.data.source, "tokenizer_identity": tokenizer_identity(tokenizer),

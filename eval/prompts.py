@@ -101,12 +101,26 @@ def load_prompts(source: str, run_dir: str | Path | None = None, max_prompts: in
             skipped["no user prompt in row"] = skipped.get("no user prompt in row", 0) + 1
             continue
         prompts.append(prompt)
-        if max_prompts and len(prompts) >= max_prompts:
-            break
     if not prompts:
         raise EyasError(f"{where} has no usable prompts ({sum(skipped.values())} rows without a user turn); "
                         "rows need 'turns', 'messages' or 'prompt'")
-    return prompts, skipped
+    return balanced_first(prompts, max_prompts), skipped
+
+
+def balanced_first(prompts: list[Prompt], limit: int) -> list[Prompt]:
+    """The first `limit` prompts taken round-robin over categories in file order (0: all), so a cap
+    on a file sorted by category still covers every category."""
+    if not limit or limit >= len(prompts):
+        return prompts
+    queues: dict[str, list[Prompt]] = {}
+    for prompt in prompts:
+        queues.setdefault(prompt.category, []).append(prompt)
+    chosen: list[Prompt] = []
+    while len(chosen) < limit:
+        for queue in queues.values():
+            if queue and len(chosen) < limit:
+                chosen.append(queue.pop(0))
+    return chosen
 
 
 def _heldout_rows(run_dir: str | Path):

@@ -100,6 +100,10 @@ class DataConfig:
     regenerate_batch_size: int = _doc("Conversations generated together.", 16)
     regenerate_temperature: float = _doc("Sampling temperature for regeneration (0: greedy).", 0.0)
     regenerate_model: str = _doc("Model name sent to regenerate_endpoint (empty: the first one its /v1/models lists).", "")
+    regenerate_dtype: str = _doc(
+        "Weights dtype of the target while it regenerates (empty: target.dtype). bfloat16 is about 1.8x faster "
+        "on CPUs with AMX or AVX512-BF16; the replies are then the bf16 target's.", ""
+    )
 
 
 @dataclass
@@ -217,6 +221,7 @@ class Recipe:
 # Values restricted to a set of choices, and numeric ranges: (key -> check, message).
 CHOICES = {
     "target.dtype": ("auto", "float32", "bfloat16", "float16"),
+    "data.regenerate_dtype": ("", "auto", "float32", "bfloat16", "float16"),
     "target.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
     "data.format": ("auto", "sharegpt", "openai", "text"),
     "data.overflow": ("truncate", "drop"),

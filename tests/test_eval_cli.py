@@ -178,3 +178,14 @@ def test_checkpoint_for_another_target_is_refused(tmp_path, tiny_llama_dir, tiny
     code, _, err = run_cli(["--target", tiny_llama_dir, "--draft", ckpt, "--prompts", prompts,
                             "--shapes", "chain:2", "--out", tmp_path / "o"], capsys)
     assert code == 2 and "was made for another target: target identity" in err
+
+
+def test_max_prompts_keeps_every_category(tmp_path):
+    from eyas.eval.prompts import load_prompts
+
+    rows = [{"turns": [f"q{i}"], "category": cat} for i, cat in enumerate("aaabbc")]
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    prompts, _ = load_prompts(str(path), max_prompts=4)
+    assert [(p.category, p.messages[0]["content"]) for p in prompts] == [("a", "q0"), ("b", "q3"), ("c", "q5"), ("a", "q1")]
+    assert len(load_prompts(str(path), max_prompts=0)[0]) == 6

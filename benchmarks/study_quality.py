@@ -1,0 +1,216 @@
+"""The quality study: which training data and which draft give the highest acceptance on the real
+SmolLM2-135M-Instruct target, trained and measured on this machine with the eyas CLI as a user runs it.
+
+    python benchmarks/study_quality.py                        # every stage; each one is skipped when done
+    python benchmarks/study_quality.py --stage train --only eagle3-ttt3 mtp3-chain
+    python benchmarks/study_quality.py --stage report         # table + plot from the eval reports
+
+Every run starts from `recipes/smollm2-eagle3.yaml` plus the overrides below, so each variant
+differs from the base in the settings its name says and nothing else. Data variants are prepared
+and dumped once each; draft variants reuse a data variant's `prepared/` and `shards/` (symlinked
+into their own run directory) and are trained with the same token budget, learning rate and
+number of optimizer steps. Eval decodes the same prompts with every draft in one process
+(interleaved with the target alone, see eyas.eval.runner), for each prompt set and temperature.
+Writes benchmarks/results/study_quality.json, study_quality.md and study_quality.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BASE = ROOT / "recipes" / "smollm2-eagle3.yaml"
+RESULTS = ROOT / "benchmarks" / "results"
+
+# data variant -> (data variant whose prepared/ it reuses or None, prepare overrides, dump overrides)
+DATA = {
+    "regen": (None, [], []),
+    "regen-bf16": ("regen", [], ["dump.encoding=bf16"]),
+    "raw": (None, ["data.regenerate=false"], []),
+    "regen-half": (None, ["data.source={out}/regen/prepared/train", "data.max_samples=780", "data.regenerate=false"],
+                   []),
+}
+
+# draft variant -> (data variant, train overrides)
+DRAFTS = {
+    "eagle3-ttt3": ("regen", []),
+    "eagle": ("regen", ["draft.kind=eagle"]),
+    "eagle3-ttt1": ("regen", ["train.ttt_steps=1"]),
+    "eagle3-ttt7": ("regen", ["train.ttt_steps=7"]),
+    "mtp3-chain": ("regen", ["draft.kind=mtp", "draft.num_steps=3", "draft.mtp_feed=chain"]),
+    "mtp3-target": ("regen", ["draft.kind=mtp", "draft.num_steps=3", "draft.mtp_feed=target"]),
+    "mtp5-chain": ("regen", ["draft.kind=mtp", "draft.num_steps=5", "draft.mtp_feed=chain", "train.ttt_steps=5"]),
+    "mtp5-target": ("regen", ["draft.kind=mtp", "draft.num_steps=5", "draft.mtp_feed=target", "train.ttt_steps=5"]),
+    "eagle3-ttt3-raw": ("raw", []),
+    "eagle3-ttt3-bf16": ("regen-bf16", []),
+    "eagle3-ttt3-half-2x": ("regen-half", ["train.epochs=4"]),
+}
+
+# eval suite -> (prompts, temperature, drafts compared)
+DRAFT_KINDS = ["eagle", "eagle3-ttt1", "eagle3-ttt3", "eagle3-ttt7", "mtp3-chain", "mtp3-target", "mtp5-chain",
+               "mtp5-target"]
+DATA_VARIANTS = ["eagle3-ttt3", "eagle3-ttt3-raw", "eagle3-ttt3-bf16", "eagle3-ttt3-half-2x"]
+SUITES = {
+    "chat-t0": ("heldout", 0.0, DRAFT_KINDS + DATA_VARIANTS[1:]),
+    "chat-t1": ("heldout", 1.0, DRAFT_KINDS),
+    "instruct-t0": (str(ROOT / "benchmarks" / "prompts" / "instruct.jsonl"), 0.0, DRAFT_KINDS),
+    "instruct-t1": (str(ROOT / "benchmarks" / "prompts" / "instruct.jsonl"), 1.0, DRAFT_KINDS),
+}
+
+
+def eyas(stage: str, name: str, out: Path, overrides: list[str], log: Path) -> float:
+    """Run one `eyas <stage>` on the base recipe as run `name`; returns wall seconds."""
+    cmd = [sys.executable, "-m", "eyas.cli", stage, str(BASE), f"run.name={name}", f"run.output_dir={out}",
+           *[o.format(out=out) for o in overrides]]
+    print(f"study: {' '.join(cmd[3:])}  (log: {log})", flush=True)
+    start = time.perf_counter()
+    with open(log, "a") as handle:
+        done = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+    if done.returncode:
+        sys.exit(f"study: `eyas {stage}` for {name} failed (exit {done.returncode}); see {log}")
+    return time.perf_counter() - start
+
+
+def link(run: Path, source: Path, names: tuple[str, ...]) -> None:
+    run.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        if not (run / name).exists():
+            (run / name).symlink_to(source / name, target_is_directory=True)
+
+
+def stage_data(out: Path, only: set[str], timings: dict) -> None:
+    for name, (reuse, prepare_over, dump_over) in DATA.items():
+        if only and name not in only:
+            continue
+        run = out / name
+        if reuse:
+            link(run, out / reuse, ("prepared",))
+        elif not (run / "prepared" / "info.json").is_file():
+            timings[f"prepare:{name}"] = eyas("prepare", name, out, prepare_over, out / f"{name}.prepare.log")
+        if not (run / "shards" / "heldout").is_dir():
+            timings[f"dump:{name}"] = eyas("dump", name, out, dump_over, out / f"{name}.dump.log")
+
+
+def stage_train(out: Path, only: set[str], timings: dict) -> None:
+    for name, (data, overrides) in DRAFTS.items():
+        if only and name not in only:
+            continue
+        run = out / name
+        link(run, out / data, ("prepared", "shards"))
+        if not (run / "checkpoints" / "best").is_dir():
+            timings[f"train:{name}"] = eyas("train", name, out, overrides, out / f"{name}.train.log")
+
+
+def stage_eval(out: Path, only: set[str], timings: dict) -> None:
+    for suite, (prompts, temperature, drafts) in SUITES.items():
+        if only and suite not in only:
+            continue
+        report = out / "eval" / suite / "report.json"
+        if report.is_file():
+            continue
+        overrides = [f"eval.prompts={prompts}", f"eval.temperature={temperature}", f"eval.output={report.parent}",
+                     "eval.drafts=" + json.dumps([str(out / d / "checkpoints" / "best") for d in drafts])]
+        timings[f"eval:{suite}"] = eyas("eval", "regen", out, overrides, out / f"eval-{suite}.log")
+
+
+def draft_of(label: str) -> str:
+    return label.split(":", 1)[0]
+
+
+def stage_report(out: Path, timings: dict) -> dict:
+    """Collect the eval reports and training summaries into one JSON, a Markdown table and a plot."""
+    suites = {}
+    for suite in SUITES:
+        path = out / "eval" / suite / "report.json"
+        if path.is_file():
+            suites[suite] = json.loads(path.read_text())
+    rows = []
+    for suite, report in suites.items():
+        base = (report.get("baseline") or {}).get("overall", {})
+        for config in report["configs"]:
+            o = config["overall"]
+            rows.append({"suite": suite, "draft": draft_of(config["draft"]), "shape": config["shape"],
+                         "tau": o["tau"], "alpha": o["alpha"], "speedup": o["speedup"],
+                         "tokens_per_s": o["tokens_per_s"], "baseline_tokens_per_s": base.get("tokens_per_s"),
+                         "greedy_match": o.get("greedy_match")})
+    training = {}
+    for name in DRAFTS:
+        summary = out / name / "checkpoints" / "best" / "trainer.json"
+        training[name] = json.loads(summary.read_text()) if summary.is_file() else None
+    result = {"rows": rows, "timings_s": timings, "base_recipe": str(BASE.relative_to(ROOT)),
+              "drafts": {k: {"data": v[0], "overrides": v[1]} for k, v in DRAFTS.items()},
+              "data": {k: {"reuses": v[0], "prepare": v[1], "dump": v[2]} for k, v in DATA.items()}}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "study_quality.json").write_text(json.dumps(result, indent=1))
+    (RESULTS / "study_quality.md").write_text(markdown_table(rows))
+    plot(rows, RESULTS / "study_quality.png")
+    print(markdown_table(rows))
+    return result
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| suite | draft | shape | τ | α per depth | speedup |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        alpha = " ".join(_fmt(a, ".2f") for a in r["alpha"])
+        lines.append(f"| {r['suite']} | {r['draft']} | {r['shape']} | {_fmt(r['tau'], '.2f')} | {alpha} | "
+                     f"{_fmt(r['speedup'], '.2f')}x |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """α per depth of every draft on held-out chat at T=0, one panel per shape."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    chat = [r for r in rows if r["suite"] == "chat-t0"]
+    shapes = sorted({r["shape"] for r in chat})
+    if not shapes:
+        return
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.2), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        for r in (r for r in chat if r["shape"] == shape):
+            depths = range(1, len(r["alpha"]) + 1)
+            ax.plot(depths, [a if a is not None else float("nan") for a in r["alpha"]], marker="o",
+                    label=f"{r['draft']} (τ {_fmt(r['tau'], '.2f')})")
+        ax.set(title=f"held-out chat, T=0, {shape}", xlabel="draft depth", ylabel="α (acceptance at depth)",
+               ylim=(0, 1))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=str(ROOT / "runs" / "study"), help="parent folder of the study's runs")
+    parser.add_argument("--stage", choices=["data", "train", "eval", "report", "all"], default="all")
+    parser.add_argument("--only", nargs="*", default=[], help="data/draft variants or eval suites to run")
+    args = parser.parse_args(argv)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    timings_path = out / "timings.json"
+    timings = json.loads(timings_path.read_text()) if timings_path.is_file() else {}
+    only = set(args.only)
+    for stage, body in (("data", stage_data), ("train", stage_train), ("eval", stage_eval)):
+        if args.stage in (stage, "all"):
+            body(out, only, timings)
+            timings_path.write_text(json.dumps(timings, indent=1))
+    if args.stage in ("report", "all"):
+        stage_report(out, timings)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
