@@ -4,7 +4,8 @@ Modules:
   tree        draft shapes (chain:K, static trees, EAGLE-2 dynamic) and building the token tree
   verify      sampling settings, candidate drawing, greedy and rejection-sampling verification
   kv          4D tree masks for HF models and in-place KV-cache pruning
-  decoder     SpeculativeDecoder (target + draft + shape), target_generate (the baseline)
+  decoder     SpeculativeDecoder (target + draft + shape), target_decode (the timed baseline),
+              target_generate (HF generate, the reference in tests)
   drafts      the draft protocol, LMDraft / truncated_target, MixtureDraft, make_draft
   head_draft  the adapter from trained eagle / eagle3 / mtp heads
   prompts     MT-bench / OpenAI / held-out prompts, rendered with the chat template

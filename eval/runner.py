@@ -1,6 +1,6 @@
 """Run several drafts x shapes over the same prompts, interleaved with the target alone.
 
-For each prompt: the target alone (HF `generate` with its KV cache) is timed first, then
+For each prompt: the target alone (a bare KV-cache loop, `target_decode`) is timed first, then
 every configuration decodes the same prompt; interleaving keeps slow drifts of a shared
 machine from favouring whichever ran first. A short untimed warm-up runs each path once.
 At T=0 every speculative output is also compared with the target's own greedy output.
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eyas.eval.decoder import SpeculativeDecoder, eos_ids_of, max_context, target_generate
+from eyas.eval.decoder import SpeculativeDecoder, eos_ids_of, max_context, target_decode
 from eyas.eval.metrics import BaselineTally, Tally, summarize
 from eyas.eval.prompts import Prompt, render
 from eyas.eval.tree import Shape
@@ -70,7 +70,7 @@ def evaluate(target, tokenizer, drafts: list, shapes: list[Shape], prompts: list
     configs = [Config(d, s, SpeculativeDecoder(target, d, s, params, eos, seed=seed)) for d in drafts for s in shapes]
     base_all, base_cat = BaselineTally(), {}
     if prompts:  # untimed warm-up of every path (first-call allocations, kernel selection)
-        target_generate(target, prompts[0].ids, min(8, max_new_tokens), params, eos, seed)
+        target_decode(target, prompts[0].ids, min(8, max_new_tokens), params, eos, seed)
         for config in configs:
             config.decoder.generate(prompts[0].ids, min(8, max_new_tokens))
     total = len(prompts) * (len(configs) + int(baseline))
@@ -80,7 +80,7 @@ def evaluate(target, tokenizer, drafts: list, shapes: list[Shape], prompts: list
         reference = None
         if baseline:
             start = _clock(target.device)
-            reference = target_generate(target, item.ids, max_new_tokens, params, eos, seed + index)
+            reference = target_decode(target, item.ids, max_new_tokens, params, eos, seed + index)
             seconds = _clock(target.device) - start
             base_all.add(len(reference), seconds)
             base_cat.setdefault(category, BaselineTally()).add(len(reference), seconds)

@@ -65,3 +65,18 @@ def test_greedy_output_equals_target_greedy(family, tiny_llama_dir, tiny_qwen2_d
     for spec in SHAPES:
         assert accepted_by[("copy", spec)] >= 2.5
         assert accepted_by[("random", spec)] < accepted_by[("copy", spec)]
+
+
+def test_the_timed_baseline_is_the_targets_own_greedy_decode(tiny_llama_dir):
+    """`target_decode` (the bare loop the speedup is measured against) equals HF `generate`."""
+    from transformers import AutoModelForCausalLM
+
+    from eyas.eval.decoder import target_decode
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    eos = eos_ids_of(target)
+    for prompt in ([1, 5, 9, 13], [7] * 30, [3, 100, 42]):
+        assert target_decode(target, prompt, 20, GREEDY, eos) == target_generate(target, prompt, 20, GREEDY, eos)
+    stop = target_generate(target, [1, 5, 9, 13], 20, GREEDY, eos)[4]  # an EOS id the model does emit
+    assert target_decode(target, [1, 5, 9, 13], 20, GREEDY, [stop]) == target_generate(target, [1, 5, 9, 13], 20,
+                                                                                      GREEDY, [stop])

@@ -38,7 +38,10 @@ def workspace(tmp_path_factory, tiny_llama_dir):
 
 
 def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline")
+    # MKL_CBWR: MKL picks kernels by memory alignment unless told not to, which changes the last bits
+    # of a matmul between two runs; exact-resume comparisons need the strict reproducible mode
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline",
+               MKL_CBWR="AUTO,STRICT")
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
