@@ -49,7 +49,7 @@ DRAFTS = {
     "mtp5-target": ("regen", ["draft.kind=mtp", "draft.num_steps=5", "draft.mtp_feed=target", "train.ttt_steps=5"]),
     "eagle3-ttt3-raw": ("raw", []),
     "eagle3-ttt3-bf16": ("regen-bf16", []),
-    "eagle3-ttt3-half-2x": ("regen-half", ["train.epochs=4"]),
+    "eagle3-ttt3-half-2x": ("regen-half", ["train.epochs=6"]),
 }
 
 # eval suite -> (prompts, temperature, drafts compared)
