@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import re
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from machine import machine, versions  # benchmarks/machine.py
 
 PROMPTS = [
     ("writing", "Write a short poem about the sea and the wind."),
@@ -56,7 +57,6 @@ def slug(text: str) -> str:
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     import torch
-    import transformers
 
     from eyas.config import TargetConfig
     from eyas.eval.drafts import make_draft
@@ -126,9 +126,8 @@ def main(argv=None) -> int:
         "script": "benchmarks/bench_decode.py",
         "command": " ".join(["python", "benchmarks/bench_decode.py"] + (sys.argv[1:] if argv is None else argv)),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "python": platform.python_version(),
-                    "torch": torch.__version__, "transformers": transformers.__version__,
-                    "threads": torch.get_num_threads(), "device": str(target.device)},
+        "machine": machine() | {"device": str(target.device)},
+        "versions": versions("transformers"),
         "settings": {"target": args.target, "drafts": drafts_specs, "shapes": args.shapes,
                      "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "temperature": args.temperature,
                      "prompts": [p for _, p in PROMPTS]},

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -32,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from machine import machine, versions  # benchmarks/machine.py
 
 RESULTS = Path(__file__).parent / "results" / "bench_dump.json"
 
@@ -294,10 +295,8 @@ def main() -> int:
                      "tokens": tokens, "batches": len(batches), "token_budget": base.dump.token_budget,
                      "shard_tokens": base.dump.shard_tokens, "layers": layers, "repeats": args.repeats,
                      "anchor_bytes_per_token": anchor, "dtype": str(next(model.parameters()).dtype)},
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-                    "torch_threads": torch.get_num_threads(), "python": sys.version.split()[0],
-                    "torch": torch.__version__, "transformers": __import__("transformers").__version__,
-                    "safetensors": __import__("safetensors").__version__},
+        "machine": machine(),
+        "versions": versions("transformers", "safetensors"),
     }, indent=2) + "\n")
     for name, value in figures.items():
         print(f"BENCH {name} {value:.4g} {units.get(name, 'ratio')}")

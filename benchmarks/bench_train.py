@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -33,6 +32,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from machine import machine, versions  # benchmarks/machine.py
 
 RESULTS = Path(__file__).parent / "results" / "bench_train.json"
 
@@ -171,17 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     figures = run(args)
-    import accelerate
-    import transformers
 
     report = {
         "figures": figures,
         "settings": vars(args) | {"hidden": 576, "target_vocab": 49152, "target": "SmolLM2-135M-Instruct",
                                   "loss": "forward_kl", "draft_lm_head": "trained", "shards": "int8"},
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-                    "load_average": os.getloadavg()},
-        "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
-                     "transformers": transformers.__version__, "accelerate": accelerate.__version__},
+        "machine": machine(),
+        "versions": versions("transformers", "accelerate"),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

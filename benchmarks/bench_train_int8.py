@@ -18,14 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
+
+from machine import machine, versions  # benchmarks/machine.py
 
 RESULTS = Path(__file__).parent / "results" / "bench_train_int8.json"
 
@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         "figures": {"sim_accept_bf16": results["bf16"]["sim_accept"], "sim_accept_int8": results["int8"]["sim_accept"],
                     "int8_relative_gap": gap, "seed_relative_gap": seed_gap, "runs": results, "seconds": time.perf_counter() - started},
         "settings": vars(args) | {"target": "SmolLM2-135M-Instruct", "data": "chitchat", "loss": "forward_kl"},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_average": os.getloadavg()},
-        "versions": {"python": sys.version.split()[0], "torch": torch.__version__},
+        "machine": machine(),
+        "versions": versions(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,6 @@ import argparse
 import ast
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -32,6 +31,8 @@ import types
 from pathlib import Path
 
 import torch
+
+from machine import machine, versions  # benchmarks/machine.py
 
 RESULTS = Path(__file__).parent / "results" / "bench_train_peers.json"
 
@@ -158,14 +159,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench_train_peers: rep {rep} {name}: {elapsed:.2f} s (loss {loss:.3f})", flush=True)
     rates = {name: args.seq / statistics.median(ts) for name, ts in times.items()}
     figures = {"tokens_per_s": rates, "step_s": times, "eyas_vs_specforge": rates["eyas"] / rates["specforge"]}
-    import transformers
 
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
         "figures": figures, "settings": vars(args),
         "peers": {"specforge": "0.2.0 (pip --no-deps; triton loss replaced by its torch reference)"},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_average": os.getloadavg()},
-        "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__},
+        "machine": machine(),
+        "versions": versions("transformers", "specforge"),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }, indent=2))
     print(f"BENCH train_peer_specforge_tokens_per_s {rates['specforge']:.1f} tokens/s")

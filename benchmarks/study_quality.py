@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from machine import machine, versions  # benchmarks/machine.py
+
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ROOT / "recipes" / "smollm2-eagle3.yaml"
 RESULTS = ROOT / "benchmarks" / "results"
@@ -145,7 +147,9 @@ def stage_report(out: Path, timings: dict) -> dict:
         training[name] = json.loads(summary.read_text()) if summary.is_file() else None
     result = {"rows": rows, "timings_s": timings, "base_recipe": str(BASE.relative_to(ROOT)),
               "drafts": {k: {"data": v[0], "overrides": v[1]} for k, v in DRAFTS.items()},
-              "data": {k: {"reuses": v[0], "prepare": v[1], "dump": v[2]} for k, v in DATA.items()}}
+              "data": {k: {"reuses": v[0], "prepare": v[1], "dump": v[2]} for k, v in DATA.items()},
+              "machine": machine(), "versions": versions("transformers", "accelerate"),
+              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "study_quality.json").write_text(json.dumps(result, indent=1))
     (RESULTS / "study_quality.md").write_text(markdown_table(rows))
