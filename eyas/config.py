@@ -94,7 +94,7 @@ class DataConfig:
     num_proc: int = _doc("Worker processes for tokenisation (datasets.map).", 1)
     regenerate: bool = _doc("Replace assistant turns with the target's own responses.", False)
     regenerate_endpoint: str = _doc(
-        "OpenAI-compatible base URL (vLLM, SGLang) for regeneration; empty: the target via HF generate.", ""
+        "OpenAI-compatible base URL (vLLM, SGLang) for regeneration; empty: the target itself, in batches.", ""
     )
     regenerate_max_new_tokens: int = _doc("Longest regenerated assistant turn, in tokens.", 256)
     regenerate_batch_size: int = _doc("Conversations generated together.", 16)
