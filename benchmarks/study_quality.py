@@ -54,7 +54,9 @@ DRAFTS = {
     "eagle3-ttt3-half-2x": ("regen-half", ["train.epochs=6"]),
 }
 
-# eval suite -> (prompts, temperature, drafts compared)
+# eval suite -> (prompts, temperature, drafts compared); 8 prompts per suite (2 per category of
+# instruct.jsonl) keep the four suites within about 30 minutes on 2 cores
+EVAL_PROMPTS = 8
 DRAFT_KINDS = ["eagle", "eagle3-ttt1", "eagle3-ttt3", "eagle3-ttt7", "mtp3-chain", "mtp3-target", "mtp5-chain",
                "mtp5-target"]
 DATA_VARIANTS = ["eagle3-ttt3", "eagle3-ttt3-raw", "eagle3-ttt3-bf16", "eagle3-ttt3-half-2x"]
@@ -117,6 +119,7 @@ def stage_eval(out: Path, only: set[str], timings: dict) -> None:
         if report.is_file():
             continue
         overrides = [f"eval.prompts={prompts}", f"eval.temperature={temperature}", f"eval.output={report.parent}",
+                     f"eval.max_prompts={EVAL_PROMPTS}",
                      "eval.drafts=" + json.dumps([str(out / d / "checkpoints" / "best") for d in drafts])]
         timings[f"eval:{suite}"] = eyas("eval", "regen", out, overrides, out / f"eval-{suite}.log")
 
@@ -141,11 +144,8 @@ def stage_report(out: Path, timings: dict) -> dict:
                          "tau": o["tau"], "alpha": o["alpha"], "speedup": o["speedup"],
                          "tokens_per_s": o["tokens_per_s"], "baseline_tokens_per_s": base.get("tokens_per_s"),
                          "greedy_match": o.get("greedy_match")})
-    training = {}
-    for name in DRAFTS:
-        summary = out / name / "checkpoints" / "best" / "trainer.json"
-        training[name] = json.loads(summary.read_text()) if summary.is_file() else None
-    result = {"rows": rows, "timings_s": timings, "base_recipe": str(BASE.relative_to(ROOT)),
+    training = {name: held_out_curve(out / name) for name in DRAFTS}
+    result = {"rows": rows, "training": training, "timings_s": timings, "base_recipe": str(BASE.relative_to(ROOT)),
               "drafts": {k: {"data": v[0], "overrides": v[1]} for k, v in DRAFTS.items()},
               "data": {k: {"reuses": v[0], "prepare": v[1], "dump": v[2]} for k, v in DATA.items()},
               "machine": machine(), "versions": versions("transformers", "accelerate"),
@@ -154,8 +154,42 @@ def stage_report(out: Path, timings: dict) -> dict:
     (RESULTS / "study_quality.json").write_text(json.dumps(result, indent=1))
     (RESULTS / "study_quality.md").write_text(markdown_table(rows))
     plot(rows, RESULTS / "study_quality.png")
+    plot_training(training, RESULTS / "study_training.png")
     print(markdown_table(rows))
     return result
+
+
+def held_out_curve(run: Path) -> list[dict]:
+    """The trainer's held-out evaluations (step, per-step accuracy, simulated acceptance) of one run."""
+    path = run / "logs" / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [{"step": r["step"], "sim_accept": r["sim_accept"],
+             "accuracy": [r[k] for k in sorted(r) if k.startswith("acc_")]}
+            for r in records if r.get("kind") == "eval"]
+
+
+def plot_training(training: dict, path: Path) -> None:
+    """Held-out step-0 accuracy and simulated acceptance against optimizer steps, per draft."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, curve in training.items():
+        if curve:
+            steps = [c["step"] for c in curve]
+            axes[0].plot(steps, [c["accuracy"][0] for c in curve], marker=".", label=name)
+            axes[1].plot(steps, [c["sim_accept"] for c in curve], marker=".", label=name)
+    axes[0].set(title="held-out accuracy of draft step 1", xlabel="optimizer step", ylabel="accuracy")
+    axes[1].set(title="held-out simulated accepted drafts per verify", xlabel="optimizer step")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def _fmt(value, spec: str) -> str:
