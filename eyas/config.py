@@ -130,7 +130,9 @@ class DraftConfig:
     num_steps: int = _doc("mtp: independent layers, one per draft step.", 3)
     mtp_feed: str = _doc("mtp: chain (step k reads step k-1's hidden) or target (every step reads the target's).", "chain")
     intermediate_size: int = _doc("MLP width of the draft layer (0: the target's).", 0)
-    use_draft_vocab: bool = _doc("eagle3: predict over the reduced draft vocabulary (d2t/t2d).", True)
+    use_draft_vocab: bool = _doc(
+        "eagle3 and mtp: predict over the reduced draft vocabulary (d2t/t2d); eagle always uses the full one.", True
+    )
     train_lm_head: bool = _doc("eagle3: train the draft lm_head (initialised from the target's rows); false freezes it.", True)
 
 

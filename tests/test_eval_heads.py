@@ -54,7 +54,7 @@ def make_checkpoint(folder, target_dir, kind, mtp_feed="chain", reduced_vocab=Fa
     return save_draft(folder, head, {"step": 0})
 
 
-KINDS = [("eagle3", "chain", True), ("eagle", "chain", False), ("mtp", "chain", False), ("mtp", "target", False)]
+KINDS = [("eagle3", "chain", True), ("eagle", "chain", False), ("mtp", "chain", False), ("mtp", "target", True)]
 
 
 @pytest.mark.parametrize("kind,feed,reduced", KINDS, ids=["eagle3", "eagle", "mtp_chain", "mtp_target"])

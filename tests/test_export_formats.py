@@ -241,3 +241,15 @@ def test_rope_scaling_survives_the_round_trip(tmp_path):
         # llama3 scaling rescales the low RoPE frequencies: a lost or altered scaling changes the logits
         for (h0, l0), (h1, l1) in zip(step_outputs(head, "eagle3"), step_outputs(back, "eagle3")):
             assert torch.equal(l0, l1)
+
+
+def test_mtp_over_a_reduced_vocabulary_is_refused_with_the_fix(tiny_target, tmp_path):
+    """Serving engines run MTP layers through the target's full lm_head: a reduced-vocab mtp head
+    (trainable on a CPU budget) must not be exported as if it were one."""
+    torch.manual_seed(0)
+    head = build_head(DraftConfig(kind="mtp", num_steps=2), tiny_target.config,
+                      d2t=_d2t(tiny_target.config.vocab_size, DRAFT_VOCAB))
+    head.init_from_target(tiny_target)
+    assert head.lm_head.weight.shape[0] == DRAFT_VOCAB and not head.lm_head.weight.requires_grad
+    with pytest.raises(EyasError, match="use_draft_vocab=false"):
+        export.export_draft(checkpoint_of(head, tmp_path / "ckpt"), "sglang", tmp_path / "out")

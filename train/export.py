@@ -374,6 +374,10 @@ def export_draft(checkpoint: str | Path, fmt: str, out: str | Path, dtype: str =
     _check_target(saved, target)
     if saved["kind"] == "eagle3":
         _check_aux_layers(saved)
+    if saved["kind"] == "mtp" and saved["draft_vocab_size"] != saved["vocab_size"]:
+        raise EyasError(f"'{checkpoint}' is an mtp draft over a reduced vocabulary of {saved['draft_vocab_size']} tokens, "
+                        "but serving engines run MTP layers through the target's full lm_head; retrain it with "
+                        "draft.use_draft_vocab=false to export it")
     state = load_file(str(checkpoint / MODEL_FILE))
     tensors = map_state_dict(state, saved, fmt)
     tensors = {k: (v.to(DTYPES[dtype]) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}

@@ -39,6 +39,9 @@ from torch import nn
 from eyas.errors import EyasError
 
 KINDS = ("eagle", "eagle3", "mtp")
+# kinds that may predict over the reduced draft vocabulary (EAGLE-1 keeps the target's full head,
+# which is what serving engines load it with)
+VOCAB_KINDS = ("eagle3", "mtp")
 HEAD_FORMAT_VERSION = 1
 
 # Families whose q/k/v projections always carry a bias although their config has no
@@ -75,7 +78,7 @@ def head_config(draft_cfg: Any, target_config: Any, aux_layers: list[int] | None
     attention_bias = bool(getattr(text, "attention_bias", False))
     qkv_bias = attention_bias or model_type in _QKV_BIAS_FAMILIES
     vocab = int(text.vocab_size)
-    if kind != "eagle3" or not draft_cfg.use_draft_vocab or not draft_vocab_size or draft_vocab_size >= vocab:
+    if kind not in VOCAB_KINDS or not draft_cfg.use_draft_vocab or not draft_vocab_size or draft_vocab_size >= vocab:
         draft_vocab_size = vocab
     return {
         "format": "eyas-draft",
@@ -297,7 +300,7 @@ class DraftHead(nn.Module):
             self.lm_head = nn.Linear(hidden, vocab, bias=False)
         else:
             self.layers = nn.ModuleList([MTPLayer(cfg) for _ in range(cfg["num_layers"])])
-            self.lm_head = nn.Linear(hidden, vocab, bias=False)
+            self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(_layer_config(cfg))
         self._init_weights(cfg["initializer_range"])
         self.embed_tokens.requires_grad_(False)
@@ -420,16 +423,13 @@ class DraftHead(nn.Module):
                 raise EyasError(f"the target's {name} is {tuple(w.shape)}, the head expects {(vocab, hidden)}; "
                                 "is draft built for another target?")
         self.embed_tokens.weight.copy_(embed.to(self.embed_tokens.weight.dtype))
-        if self.kind == "eagle3":
-            rows = torch.arange(vocab) if self.d2t is None else self.draft_to_target(torch.arange(self.draft_vocab_size))
-            self.lm_head.weight.copy_(lm_head[rows.to(lm_head.device)].to(self.lm_head.weight.dtype))
-            if norm is not None:
-                self.norm.weight.copy_(norm)
-        else:
-            self.lm_head.weight.copy_(lm_head.to(self.lm_head.weight.dtype))
-            if self.kind == "mtp" and norm is not None:
-                for layer in self.layers:
-                    layer.norm.weight.copy_(norm)
+        rows = torch.arange(vocab) if self.d2t is None else self.draft_to_target(torch.arange(self.draft_vocab_size))
+        self.lm_head.weight.copy_(lm_head[rows.to(lm_head.device)].to(self.lm_head.weight.dtype))
+        if self.kind == "eagle3" and norm is not None:
+            self.norm.weight.copy_(norm)
+        if self.kind == "mtp" and norm is not None:
+            for layer in self.layers:
+                layer.norm.weight.copy_(norm)
         return self
 
 
@@ -443,14 +443,14 @@ def build_head(draft_cfg: Any, target_config: Any, aux_layers: list[int] | None 
                d2t: torch.Tensor | None = None, target_identity: str = "") -> DraftHead:
     """The agreed constructor: a head for `draft_cfg` shaped on `target_config`.
 
-    `d2t` (draft id -> offset to target id) selects eagle3's reduced draft vocabulary; it is
-    ignored for eagle/mtp and when `draft.use_draft_vocab` is false.
+    `d2t` (draft id -> offset to target id) selects the reduced draft vocabulary of eagle3 and
+    mtp heads; it is ignored for eagle and when `draft.use_draft_vocab` is false.
     """
     if draft_cfg.kind == "eagle3" and not aux_layers:
         from eyas.config import default_layers
 
         aux_layers = default_layers(int(target_config.num_hidden_layers))
-    use_vocab = draft_cfg.kind == "eagle3" and draft_cfg.use_draft_vocab and d2t is not None
+    use_vocab = draft_cfg.kind in VOCAB_KINDS and draft_cfg.use_draft_vocab and d2t is not None
     cfg = head_config(draft_cfg, target_config, aux_layers, len(d2t) if use_vocab else None, target_identity)
     return DraftHead(cfg, d2t if cfg["draft_vocab_size"] != cfg["vocab_size"] else None)
 
