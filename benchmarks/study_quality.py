@@ -33,10 +33,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 # data variant -> (data variant whose prepared/ it reuses or None, prepare overrides, dump overrides)
 DATA = {
     "regen": (None, [], []),
-    "regen-bf16": ("regen", [], ["dump.encoding=bf16"]),
     "raw": (None, ["data.regenerate=false"], []),
-    "regen-half": (None, ["data.source={out}/regen/prepared/train", "data.max_samples=780", "data.regenerate=false"],
-                   []),
 }
 
 # draft variant -> (data variant, train overrides)
@@ -52,16 +49,15 @@ DRAFTS = {
     "mtp5-chain": ("regen", ["draft.kind=mtp", "draft.num_steps=5", "draft.mtp_feed=chain", "train.ttt_steps=5"]),
     "mtp5-target": ("regen", ["draft.kind=mtp", "draft.num_steps=5", "draft.mtp_feed=target", "train.ttt_steps=5"]),
     "eagle3-ttt3-raw": ("raw", []),
-    "eagle3-ttt3-bf16": ("regen-bf16", []),
-    "eagle3-ttt3-half-2x": ("regen-half", ["train.epochs=6"]),
 }
 
 # eval suite -> (prompts, temperature, drafts compared); 8 prompts per suite (2 per category of
-# instruct.jsonl) keep the four suites within about 30 minutes on 2 cores
+# instruct.jsonl) of 40 new tokens keep the four suites within about 20 minutes on 2 cores
 EVAL_PROMPTS = 8
+EVAL_TOKENS = 40
 DRAFT_KINDS = ["eagle", "eagle3-ttt1", "eagle3-ttt3", "eagle3-ttt7", "mtp3-chain", "mtp3-target", "mtp5-chain",
                "mtp5-target"]
-DATA_VARIANTS = ["eagle3-ttt3", "eagle3-ttt3-raw", "eagle3-ttt3-bf16", "eagle3-ttt3-half-2x"]
+DATA_VARIANTS = ["eagle3-ttt3", "eagle3-ttt3-raw"]
 SUITES = {
     "chat-t0": ("heldout", 0.0, DRAFT_KINDS + DATA_VARIANTS[1:]),
     "chat-t1": ("heldout", 1.0, DRAFT_KINDS),
@@ -121,7 +117,7 @@ def stage_eval(out: Path, only: set[str], timings: dict) -> None:
         if report.is_file():
             continue
         overrides = [f"eval.prompts={prompts}", f"eval.temperature={temperature}", f"eval.output={report.parent}",
-                     f"eval.max_prompts={EVAL_PROMPTS}",
+                     f"eval.max_prompts={EVAL_PROMPTS}", f"eval.max_new_tokens={EVAL_TOKENS}",
                      "eval.drafts=" + json.dumps([str(out / d / "checkpoints" / "best") for d in drafts])]
         timings[f"eval:{suite}"] = eyas("eval", "regen", out, overrides, out / f"eval-{suite}.log")
 
