@@ -109,16 +109,19 @@ def stage_train(out: Path, only: set[str], timings: dict) -> None:
             timings[f"train:{name}"] = eyas("train", name, out, overrides, out / f"{name}.train.log")
 
 
-def stage_eval(out: Path, only: set[str], timings: dict) -> None:
+def stage_eval(out: Path, only: set[str], timings: dict, quickstart: Path | None) -> None:
     for suite, (prompts, temperature, drafts) in SUITES.items():
         if only and suite not in only:
             continue
         report = out / "eval" / suite / "report.json"
         if report.is_file():
             continue
+        checkpoints = [str(out / d / "checkpoints" / "best") for d in drafts]
+        if quickstart is not None and suite == "chat-t0":  # `eyas quickstart`'s draft on the same prompts
+            checkpoints.append(str(quickstart / "checkpoints" / "best"))
         overrides = [f"eval.prompts={prompts}", f"eval.temperature={temperature}", f"eval.output={report.parent}",
                      f"eval.max_prompts={EVAL_PROMPTS}", f"eval.max_new_tokens={EVAL_TOKENS}",
-                     "eval.drafts=" + json.dumps([str(out / d / "checkpoints" / "best") for d in drafts])]
+                     "eval.drafts=" + json.dumps(checkpoints)]
         timings[f"eval:{suite}"] = eyas("eval", "regen", out, overrides, out / f"eval-{suite}.log")
 
 
@@ -233,13 +236,18 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(ROOT / "runs" / "study"), help="parent folder of the study's runs")
     parser.add_argument("--stage", choices=["data", "train", "eval", "report", "all"], default="all")
     parser.add_argument("--only", nargs="*", default=[], help="data/draft variants or eval suites to run")
+    parser.add_argument("--quickstart", help="run directory of `eyas quickstart` (default runs/quickstart): its "
+                        "draft joins the held-out chat T=0 comparison", default=str(ROOT / "runs" / "quickstart"))
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     timings_path = out / "timings.json"
     timings = json.loads(timings_path.read_text()) if timings_path.is_file() else {}
     only = set(args.only)
-    for stage, body in (("data", stage_data), ("train", stage_train), ("eval", stage_eval)):
+    quickstart = Path(args.quickstart).resolve()
+    quickstart = quickstart if (quickstart / "checkpoints" / "best").is_dir() else None
+    for stage, body in (("data", stage_data), ("train", stage_train),
+                        ("eval", lambda *a: stage_eval(*a, quickstart=quickstart))):
         if args.stage in (stage, "all"):
             body(out, only, timings)
             timings_path.write_text(json.dumps(timings, indent=1))
