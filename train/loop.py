@@ -70,6 +70,7 @@ def make_accelerator(recipe: Any, find_unused: bool) -> Any:
     handlers = [DistributedDataParallelKwargs(find_unused_parameters=find_unused)]
     if deepspeed and not torch.cuda.is_available():
         handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    _forget_previous_run_settings()
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available() and not deepspeed,
         mixed_precision=resolve_mixed_precision(recipe.train.mixed_precision),
@@ -82,6 +83,19 @@ def make_accelerator(recipe: Any, find_unused: bool) -> Any:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
     return accelerator
+
+
+def _forget_previous_run_settings() -> None:
+    """Let a second training run in one process choose its own mixed precision.
+
+    accelerate keeps its settings in a process-wide singleton and refuses a new Accelerator
+    whose mixed precision differs from the first one's (the quickstart's bf16 run followed by
+    an fp32 one in the same Python process, as the tests do). The per-run part is dropped; the
+    distributed setup (PartialState: process group, ranks) is kept.
+    """
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=False)
 
 
 def configure_deepspeed(accelerator: Any, train_cfg: Any) -> None:
