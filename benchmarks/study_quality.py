@@ -198,11 +198,26 @@ def _fmt(value, spec: str) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
+    """Two tables: every suite x draft x shape with α per depth, then τ and speedup side by side."""
     lines = ["| suite | draft | shape | τ | α per depth | speedup |", "|---|---|---|---|---|---|"]
     for r in rows:
         alpha = " ".join(_fmt(a, ".2f") for a in r["alpha"])
         lines.append(f"| {r['suite']} | {r['draft']} | {r['shape']} | {_fmt(r['tau'], '.2f')} | {alpha} | "
                      f"{_fmt(r['speedup'], '.2f')}x |")
+    cells = {(r["suite"], r["draft"], r["shape"]): r for r in rows}
+    suites = [s for s in SUITES if any(k[0] == s for k in cells)]
+    shapes = sorted({r["shape"] for r in rows}, key=lambda x: (not x.startswith("chain"), x))
+    drafts = list(dict.fromkeys(r["draft"] for r in rows))
+    head = [f"{suite} {shape.split(':')[0]}" for suite in suites for shape in shapes]
+    lines += ["", "τ (speedup) per suite and shape:", "", "| draft | " + " | ".join(head) + " |",
+              "|---|" + "---|" * len(head)]
+    for draft in drafts:
+        row = []
+        for suite in suites:
+            for shape in shapes:
+                r = cells.get((suite, draft, shape))
+                row.append(f"{_fmt(r['tau'], '.2f')} ({_fmt(r['speedup'], '.2f')}x)" if r else "")
+        lines.append(f"| {draft} | " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
 
