@@ -63,7 +63,7 @@ def test_adapter_chain_matches_training_unroll(tmp_path, tiny_llama_dir, kind, f
     ckpt = make_checkpoint(tmp_path / "ckpt", tiny_llama_dir, kind, feed, reduced)
     draft = load_head_draft(ckpt, target, tokenizer, target_path=str(tiny_llama_dir))
     head = draft.head
-    depth = 3
+    depth = 4  # every layer of the 4-step mtp heads; eagle/eagle3 reuse their one layer
     generator = torch.Generator().manual_seed(1)
     sequence = torch.randint(3, target.config.vocab_size, (16 + depth + 1,), generator=generator)
     L = 16
