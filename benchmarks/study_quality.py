@@ -48,7 +48,8 @@ DRAFTS = {
     "mtp3-target": ("regen", ["draft.kind=mtp", "draft.num_steps=3", "draft.mtp_feed=target"]),
     "mtp5-chain": ("regen", ["draft.kind=mtp", "draft.num_steps=5", "draft.mtp_feed=chain", "train.ttt_steps=5"]),
     "mtp5-target": ("regen", ["draft.kind=mtp", "draft.num_steps=5", "draft.mtp_feed=target", "train.ttt_steps=5"]),
-    "eagle3-ttt3-raw": ("raw", []),
+    # the human replies are short (14K loss tokens against 106K): the same 141 steps are 11 epochs
+    "eagle3-ttt3-raw": ("raw", ["train.max_steps=141"]),
 }
 
 # eval suite -> (prompts, temperature, drafts compared); 8 prompts per suite (2 per category of
