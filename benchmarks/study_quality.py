@@ -110,20 +110,41 @@ def stage_train(out: Path, only: set[str], timings: dict) -> None:
             timings[f"train:{name}"] = eyas("train", name, out, overrides, out / f"{name}.train.log")
 
 
+# 3-step mtp heads cannot draft 4 deep: they run the same shapes cut to depth 3
+SHALLOW = {"mtp3-chain", "mtp3-target"}
+SHALLOW_SHAPES = ["chain:3", "dynamic:depth=3,topk=4,nodes=12"]
+
+
 def stage_eval(out: Path, only: set[str], timings: dict, quickstart: Path | None) -> None:
     for suite, (prompts, temperature, drafts) in SUITES.items():
         if only and suite not in only:
             continue
-        report = out / "eval" / suite / "report.json"
-        if report.is_file():
-            continue
-        checkpoints = [str(out / d / "checkpoints" / "best") for d in drafts]
-        if quickstart is not None and suite == "chat-t0":  # `eyas quickstart`'s draft on the same prompts
-            checkpoints.append(str(quickstart / "checkpoints" / "best"))
-        overrides = [f"eval.prompts={prompts}", f"eval.temperature={temperature}", f"eval.output={report.parent}",
-                     f"eval.max_prompts={EVAL_PROMPTS}", f"eval.max_new_tokens={EVAL_TOKENS}",
-                     "eval.drafts=" + json.dumps(checkpoints)]
-        timings[f"eval:{suite}"] = eyas("eval", "regen", out, overrides, out / f"eval-{suite}.log")
+        groups = {"deep": [d for d in drafts if d not in SHALLOW], "shallow": [d for d in drafts if d in SHALLOW]}
+        for group, names in groups.items():
+            report = out / "eval" / suite / group / "report.json"
+            if report.is_file() or not names:
+                continue
+            checkpoints = [str(out / d / "checkpoints" / "best") for d in names]
+            if quickstart is not None and suite == "chat-t0" and group == "deep":  # `eyas quickstart`'s draft
+                checkpoints.append(str(quickstart / "checkpoints" / "best"))
+            overrides = [f"eval.prompts={prompts}", f"eval.temperature={temperature}", f"eval.output={report.parent}",
+                         f"eval.max_prompts={EVAL_PROMPTS}", f"eval.max_new_tokens={EVAL_TOKENS}",
+                         "eval.drafts=" + json.dumps(checkpoints)]
+            if group == "shallow":
+                overrides.append("eval.shapes=" + json.dumps(SHALLOW_SHAPES))
+            timings[f"eval:{suite}:{group}"] = eyas("eval", "regen", out, overrides, out / f"eval-{suite}-{group}.log")
+
+
+def _rows(suite: str, report: dict) -> list[dict]:
+    base = (report.get("baseline") or {}).get("overall", {})
+    rows = []
+    for config in report["configs"]:
+        o = config["overall"]
+        rows.append({"suite": suite, "draft": draft_of(config["draft"]), "shape": config["shape"],
+                     "tau": o["tau"], "alpha": o["alpha"], "speedup": o["speedup"],
+                     "tokens_per_s": o["tokens_per_s"], "baseline_tokens_per_s": base.get("tokens_per_s"),
+                     "greedy_match": o.get("greedy_match")})
+    return rows
 
 
 def draft_of(label: str) -> str:
@@ -134,18 +155,12 @@ def stage_report(out: Path, timings: dict) -> dict:
     """Collect the eval reports and training summaries into one JSON, a Markdown table and a plot."""
     suites = {}
     for suite in SUITES:
-        path = out / "eval" / suite / "report.json"
-        if path.is_file():
-            suites[suite] = json.loads(path.read_text())
+        for path in sorted((out / "eval" / suite).glob("*/report.json")):
+            suites.setdefault(suite, []).append(json.loads(path.read_text()))
     rows = []
-    for suite, report in suites.items():
-        base = (report.get("baseline") or {}).get("overall", {})
-        for config in report["configs"]:
-            o = config["overall"]
-            rows.append({"suite": suite, "draft": draft_of(config["draft"]), "shape": config["shape"],
-                         "tau": o["tau"], "alpha": o["alpha"], "speedup": o["speedup"],
-                         "tokens_per_s": o["tokens_per_s"], "baseline_tokens_per_s": base.get("tokens_per_s"),
-                         "greedy_match": o.get("greedy_match")})
+    for suite, reports in suites.items():
+        for report in reports:
+            rows += _rows(suite, report)
     training = {name: held_out_curve(out / name) for name in DRAFTS}
     result = {"rows": rows, "training": training, "timings_s": timings, "base_recipe": str(BASE.relative_to(ROOT)),
               "drafts": {k: {"data": v[0], "overrides": v[1]} for k, v in DRAFTS.items()},
@@ -205,11 +220,11 @@ def markdown_table(rows: list[dict]) -> str:
         alpha = " ".join(_fmt(a, ".2f") for a in r["alpha"])
         lines.append(f"| {r['suite']} | {r['draft']} | {r['shape']} | {_fmt(r['tau'], '.2f')} | {alpha} | "
                      f"{_fmt(r['speedup'], '.2f')}x |")
-    cells = {(r["suite"], r["draft"], r["shape"]): r for r in rows}
+    cells = {(r["suite"], r["draft"], r["shape"].split(":")[0]): r for r in rows}  # chain / dynamic
     suites = [s for s in SUITES if any(k[0] == s for k in cells)]
-    shapes = sorted({r["shape"] for r in rows}, key=lambda x: (not x.startswith("chain"), x))
+    shapes = ["chain", "dynamic"]
     drafts = list(dict.fromkeys(r["draft"] for r in rows))
-    head = [f"{suite} {shape.split(':')[0]}" for suite in suites for shape in shapes]
+    head = [f"{suite} {shape}" for suite in suites for shape in shapes]
     lines += ["", "τ (speedup) per suite and shape:", "", "| draft | " + " | ".join(head) + " |",
               "|---|" + "---|" * len(head)]
     for draft in drafts:
