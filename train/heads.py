@@ -42,6 +42,11 @@ KINDS = ("eagle", "eagle3", "mtp")
 # kinds that may predict over the reduced draft vocabulary (EAGLE-1 keeps the target's full head,
 # which is what serving engines load it with)
 VOCAB_KINDS = ("eagle3", "mtp")
+
+
+def uses_draft_vocab(draft_cfg: Any) -> bool:
+    """Whether a head of this recipe predicts over the reduced draft vocabulary (d2t/t2d)."""
+    return draft_cfg.kind in VOCAB_KINDS and bool(draft_cfg.use_draft_vocab)
 HEAD_FORMAT_VERSION = 1
 
 # Families whose q/k/v projections always carry a bias although their config has no
@@ -78,7 +83,7 @@ def head_config(draft_cfg: Any, target_config: Any, aux_layers: list[int] | None
     attention_bias = bool(getattr(text, "attention_bias", False))
     qkv_bias = attention_bias or model_type in _QKV_BIAS_FAMILIES
     vocab = int(text.vocab_size)
-    if kind not in VOCAB_KINDS or not draft_cfg.use_draft_vocab or not draft_vocab_size or draft_vocab_size >= vocab:
+    if not uses_draft_vocab(draft_cfg) or not draft_vocab_size or draft_vocab_size >= vocab:
         draft_vocab_size = vocab
     return {
         "format": "eyas-draft",
@@ -450,7 +455,7 @@ def build_head(draft_cfg: Any, target_config: Any, aux_layers: list[int] | None 
         from eyas.config import default_layers
 
         aux_layers = default_layers(int(target_config.num_hidden_layers))
-    use_vocab = draft_cfg.kind in VOCAB_KINDS and draft_cfg.use_draft_vocab and d2t is not None
+    use_vocab = uses_draft_vocab(draft_cfg) and d2t is not None
     cfg = head_config(draft_cfg, target_config, aux_layers, len(d2t) if use_vocab else None, target_identity)
     return DraftHead(cfg, d2t if cfg["draft_vocab_size"] != cfg["vocab_size"] else None)
 

@@ -139,10 +139,10 @@ class Source:
 def open_source(recipe: Any, target_config: Any, identity: str, device: Any, target_model: Any = None) -> Source:
     from eyas.config import default_layers
     from eyas.data.vocab import load_vocab
-    from eyas.train.heads import VOCAB_KINDS
+    from eyas.train.heads import uses_draft_vocab
 
     kind, run_dir = recipe.draft.kind, recipe.run_dir
-    want_vocab = kind in VOCAB_KINDS and recipe.draft.use_draft_vocab
+    want_vocab = uses_draft_vocab(recipe.draft)
     if recipe.train.source == "shards":
         from eyas.train.data import open_shards
 
