@@ -34,7 +34,15 @@ RESULTS = ROOT / "benchmarks" / "results"
 DATA = {
     "regen": (None, [], []),
     "raw": (None, ["data.regenerate=false"], []),
+    "regen-bf16": ("regen", [], ["dump.encoding=bf16"]),       # the same samples, features stored in bf16
 }
+# data variant -> (data variant, fraction): the first part of that variant's prepared training rows
+# (no new regeneration), its held-out split unchanged, dumped on its own
+SUBSETS = {"regen-half": ("regen", 0.5)}
+# data variant -> prepare overrides: prepared only, to be merged below (not dumped on its own)
+PARTS = {"self": ["data.source=none", "data.self_prompts=1200"]}  # 1,200 conversations the target writes itself
+# data variant -> the data variants whose prepared rows it joins (train and held-out splits alike)
+MERGES = {"regen-self": ("regen", "self")}
 
 # draft variant -> (data variant, train overrides)
 DRAFTS = {
@@ -50,20 +58,33 @@ DRAFTS = {
     "mtp5-target": ("regen", ["draft.kind=mtp", "draft.num_steps=5", "draft.mtp_feed=target", "train.ttt_steps=5"]),
     # the human replies are short (14K loss tokens against 106K): the same 141 steps are 11 epochs
     "eagle3-ttt3-raw": ("raw", ["train.max_steps=141"]),
+    # bf16 against 8-bit (fp8) shards, same samples and steps
+    "eagle3-ttt3-bf16": ("regen-bf16", []),
+    # more data against more epochs at the same compute: 6 epochs of half the data = the base's 3 of all;
+    # and twice the compute spent on more epochs
+    "eagle3-ttt3-half": ("regen-half", ["train.epochs=6"]),
+    "eagle3-ttt3-6ep": ("regen", ["train.epochs=6"]),
+    # the chat data plus 1,200 target-written conversations (instructions, code, advice), 3 epochs
+    "eagle3-ttt3-self": ("regen-self", []),
 }
 
 # eval suite -> (prompts, temperature, drafts compared); 8 prompts per suite (2 per category of
 # instruct.jsonl) of 40 new tokens keep the four suites within about 20 minutes on 2 cores
 EVAL_PROMPTS = 8
+SUITE_PROMPTS = {"chat-t0-data": 16, "instruct-t0-data": 24}  # the data comparisons are closer: more prompts
 EVAL_TOKENS = 40
 DRAFT_KINDS = ["eagle", "eagle3-ttt1", "eagle3-ttt3", "eagle3-ttt7", "mtp3-chain", "mtp3-target", "mtp5-chain",
                "mtp5-target"]
 DATA_VARIANTS = ["eagle3-ttt3", "eagle3-ttt3-raw"]
+# the later data comparisons, measured side by side with the base draft on twice the prompts
+DATA_COMPARISONS = ["eagle3-ttt3", "eagle3-ttt3-bf16", "eagle3-ttt3-half", "eagle3-ttt3-6ep", "eagle3-ttt3-self"]
 # every draft on held-out chat at T=0; the other suites take one draft per kind and TTT extreme
 # (what 2 cores can decode in the time left of a session)
 OTHER_SUITES_DRAFTS = ["eagle", "eagle3-ttt3", "eagle3-ttt7", "mtp3-target", "mtp5-target"]
 SUITES = {
     "chat-t0": ("heldout", 0.0, DRAFT_KINDS + DATA_VARIANTS[1:]),
+    "chat-t0-data": ("heldout", 0.0, DATA_COMPARISONS),
+    "instruct-t0-data": (str(ROOT / "benchmarks" / "prompts" / "instruct.jsonl"), 0.0, ["eagle3-ttt3", "eagle3-ttt3-self"]),
     "chat-t1": ("heldout", 1.0, OTHER_SUITES_DRAFTS),
     "instruct-t0": (str(ROOT / "benchmarks" / "prompts" / "instruct.jsonl"), 0.0, OTHER_SUITES_DRAFTS),
     "instruct-t1": (str(ROOT / "benchmarks" / "prompts" / "instruct.jsonl"), 1.0, OTHER_SUITES_DRAFTS),
@@ -90,7 +111,59 @@ def link(run: Path, source: Path, names: tuple[str, ...]) -> None:
             (run / name).symlink_to(source / name, target_is_directory=True)
 
 
+def subset_prepared(source: Path, run: Path, fraction: float) -> None:
+    """run/prepared = the first `fraction` of source/prepared's training rows and all of its held-out rows."""
+    import shutil
+
+    from datasets import load_from_disk
+
+    if (run / "prepared" / "info.json").is_file():
+        return
+    train = load_from_disk(str(source / "prepared" / "train"))
+    part = train.select(range(int(len(train) * fraction)))
+    part.save_to_disk(str(run / "prepared" / "train"))
+    shutil.copytree(source / "prepared" / "heldout", run / "prepared" / "heldout", dirs_exist_ok=True)
+    info = json.loads((source / "prepared" / "info.json").read_text())
+    info["splits"]["train"] = {"samples": len(part), "tokens": sum(map(len, part["input_ids"])),
+                               "loss_tokens": sum(map(sum, part["loss_mask"])), "subset_of": str(source)}
+    (run / "prepared" / "info.json").write_text(json.dumps(info, indent=1))
+
+
+def merge_prepared(sources: list[Path], run: Path) -> None:
+    """run/prepared = the rows of every source's prepared splits, in order."""
+    from datasets import concatenate_datasets, load_from_disk
+
+    if (run / "prepared" / "info.json").is_file():
+        return
+    info = json.loads((sources[0] / "prepared" / "info.json").read_text())
+    info["merged_from"] = [str(s) for s in sources]
+    info["self_prompts"] = sum(json.loads((s / "prepared" / "info.json").read_text()).get("self_prompts", 0)
+                               for s in sources)
+    for split in ("train", "heldout"):
+        parts = [load_from_disk(str(s / "prepared" / split)) for s in sources]
+        merged = concatenate_datasets([p for p in parts if len(p)])
+        merged.save_to_disk(str(run / "prepared" / split))
+        info["splits"][split] = {"samples": len(merged), "tokens": sum(map(len, merged["input_ids"])),
+                                 "loss_tokens": sum(map(sum, merged["loss_mask"]))}
+    (run / "prepared" / "info.json").write_text(json.dumps(info, indent=1))
+
+
 def stage_data(out: Path, only: set[str], timings: dict) -> None:
+    for name, overrides in PARTS.items():
+        if (not only or name in only) and not (out / name / "prepared" / "info.json").is_file():
+            timings[f"prepare:{name}"] = eyas("prepare", name, out, overrides, out / f"{name}.prepare.log")
+    for name, parts in MERGES.items():
+        if only and name not in only:
+            continue
+        merge_prepared([out / p for p in parts], out / name)
+        if not (out / name / "shards" / "heldout").is_dir():
+            timings[f"dump:{name}"] = eyas("dump", name, out, [], out / f"{name}.dump.log")
+    for name, (source, fraction) in SUBSETS.items():
+        if only and name not in only:
+            continue
+        subset_prepared(out / source, out / name, fraction)
+        if not (out / name / "shards" / "heldout").is_dir():
+            timings[f"dump:{name}"] = eyas("dump", name, out, [], out / f"{name}.dump.log")
     for name, (reuse, prepare_over, dump_over) in DATA.items():
         if only and name not in only:
             continue
@@ -131,7 +204,7 @@ def stage_eval(out: Path, only: set[str], timings: dict, quickstart: Path | None
             if quickstart is not None and suite == "chat-t0" and group == "deep":  # `eyas quickstart`'s draft
                 checkpoints.append(str(quickstart / "checkpoints" / "best"))
             overrides = [f"eval.prompts={prompts}", f"eval.temperature={temperature}", f"eval.output={report.parent}",
-                         f"eval.max_prompts={EVAL_PROMPTS}", f"eval.max_new_tokens={EVAL_TOKENS}",
+                         f"eval.max_prompts={SUITE_PROMPTS.get(suite, EVAL_PROMPTS)}", f"eval.max_new_tokens={EVAL_TOKENS}",
                          "eval.drafts=" + json.dumps(checkpoints)]
             if group == "shallow":
                 overrides.append("eval.shapes=" + json.dumps(SHALLOW_SHAPES))

@@ -13,6 +13,10 @@ How the assistant tokens are found:
 - templates whose renders are not prefixes of each other (some "thinking" templates
   rewrite earlier turns) fall back to locating each turn's content in the full render.
 
+Before rendering, `data.self_prompts` adds conversations whose user turn the target wrote
+(`eyas.data.self_prompts`) and `data.regenerate` rewrites the assistant turns with the target
+(`eyas.data.regenerate`).
+
 Rows that cannot be used are counted by reason, printed, and written to
 `run_dir/prepared/skipped.json`; nothing is dropped silently.
 
@@ -340,21 +344,31 @@ def prepare(recipe: Any, tokenizer: Any = None, model: Any = None) -> dict:
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(recipe.target)
     if not getattr(tokenizer, "is_fast", False):
         raise EyasError("prepare needs a fast tokenizer (offset mappings); the target's tokenizer is a slow one")
-    rows, skips = load_rows(recipe.data.source, recipe.data.format, recipe.data.max_samples)
+    if recipe.data.source == "none":
+        rows, skips = [], Skips()
+    else:
+        rows, skips = load_rows(recipe.data.source, recipe.data.format, recipe.data.max_samples)
     rows = first_turns(rows, recipe.data.max_turns)
+    if recipe.data.regenerate and model is None and not recipe.data.regenerate_endpoint:
+        from eyas.targets import load_target
+
+        dtype = recipe.data.regenerate_dtype or recipe.target.dtype
+        model, _ = load_target(dataclasses.replace(recipe.target, dtype=dtype))  # once, for every use below
+    written = []
+    if recipe.data.self_prompts:
+        from eyas.data.self_prompts import self_prompt_rows
+
+        written = self_prompt_rows(recipe, model, tokenizer, skips)
+    rows += written
     train_rows, heldout_rows = split_heldout(rows, recipe.data.heldout_fraction, recipe.run.seed)
     if recipe.data.regenerate:
         from eyas.data.regenerate import regenerate_rows
 
-        if model is None and not recipe.data.regenerate_endpoint:
-            from eyas.targets import load_target
-
-            dtype = recipe.data.regenerate_dtype or recipe.target.dtype
-            model, _ = load_target(dataclasses.replace(recipe.target, dtype=dtype))  # once, for both splits
         train_rows = regenerate_rows(train_rows, recipe, tokenizer, model=model)
         heldout_rows = regenerate_rows(heldout_rows, recipe, tokenizer, model=model)
     info = {"source": recipe.data.source, "tokenizer_identity": tokenizer_identity(tokenizer),
-            "target_path": recipe.target.path, "regenerated": bool(recipe.data.regenerate), "splits": {}}
+            "target_path": recipe.target.path, "regenerated": bool(recipe.data.regenerate),
+            "self_prompts": len(written), "splits": {}}
     for split, split_rows in (("train", train_rows), ("heldout", heldout_rows)):
         if not split_rows:
             ds = tokenize_rows([{"id": "_", "messages": []}], tokenizer, recipe.data).select([])

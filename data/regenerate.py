@@ -102,6 +102,15 @@ def regenerate_conversations(rows: list[dict], generate: Callable[[list[list[dic
 # ----------------------------------------------------------------------------- HF generate
 
 
+def stop_token_ids(model: Any, tokenizer: Any) -> set[int]:
+    """The tokens that end a turn: the tokenizer's EOS and every EOS of the model's generation config."""
+    eos = {tokenizer.eos_token_id}
+    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos |= set(config_eos if isinstance(config_eos, list) else [config_eos] if config_eos is not None else [])
+    eos.discard(None)
+    return eos
+
+
 def hf_generator(model: Any, tokenizer: Any, max_new_tokens: int, temperature: float, seed: int):
     """A `generate(prompts) -> replies` function running the target over left-padded batches
     (`eyas.eval.kv.plain_decode`: finished rows leave the batch, about twice as fast as HF
@@ -111,10 +120,7 @@ def hf_generator(model: Any, tokenizer: Any, max_new_tokens: int, temperature: f
     from eyas.eval.kv import plain_decode
 
     device = next(model.parameters()).device
-    eos = {tokenizer.eos_token_id}
-    config_eos = getattr(model.generation_config, "eos_token_id", None)
-    eos |= set(config_eos if isinstance(config_eos, list) else [config_eos] if config_eos is not None else [])
-    eos.discard(None)
+    eos = stop_token_ids(model, tokenizer)
     eos_ids = torch.tensor(sorted(eos), device=device)
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)

@@ -136,7 +136,7 @@ def run(recipe, progress: bool = True, console=None) -> dict:
             "tau": "mean tokens produced per target verify, counting the bonus token (plain decoding = 1)",
             "tau_from_alpha": "1 + sum_d prod_{j<=d} alpha_j",
             "tau_iid": "(1 - a^(K+1)) / (1 - a) with a = all accepts / all attempts (chains)",
-            "speedup": "tokens/s over the target alone (HF generate with KV cache), same prompts, same run",
+            "speedup": "tokens/s over the target alone (bare KV-cache loop, prefill included on both sides), same prompts, same run",
         },
         **results,
         "recipe": recipe.to_dict(),

@@ -12,8 +12,8 @@ and accepted.
                   tau when every round can try every depth, as in a chain)
   tau_iid       = (1 - a^(K+1)) / (1 - a), a = all accepts / all attempts: the i.i.d. chain formula
                   (chains only), to compare with the measured tau
-  speedup       = tokens/s of the speculative decoder / tokens/s of the target alone (HF generate with
-                  its KV cache), same prompts, same run
+  speedup       = tokens/s of the speculative decoder / tokens/s of the target alone (a bare KV-cache
+                  loop, `decoder.target_decode`), same prompts, same run, prefill included on both sides
 """
 
 from __future__ import annotations

@@ -79,7 +79,8 @@ class TargetConfig:
 @dataclass
 class DataConfig:
     source: str = _doc(
-        "`chitchat` (built-in conversations), a JSONL/JSON file, or a `datasets` directory saved with save_to_disk.",
+        "`chitchat` (built-in conversations), a JSONL/JSON file, a `datasets` directory saved with save_to_disk, "
+        "or `none` (only the target's own prompts, data.self_prompts).",
         "chitchat",
     )
     format: str = _doc("Row format: auto, sharegpt (conversations/from/value), openai (messages/role/content), text.", "auto")
@@ -104,6 +105,12 @@ class DataConfig:
         "Weights dtype of the target while it regenerates (empty: target.dtype). bfloat16 is about 1.8x faster "
         "on CPUs with AMX or AVX512-BF16; the replies are then the bf16 target's.", ""
     )
+    self_prompts: int = _doc(
+        "Add this many conversations whose user turn the target writes itself (sampled after its template's user "
+        "header, the Magpie method); their replies are regenerated, so data.regenerate must be on. 0: none.", 0
+    )
+    self_prompt_temperature: float = _doc("Sampling temperature of the target-written prompts.", 1.0)
+    self_prompt_top_p: float = _doc("Nucleus sampling of the target-written prompts.", 0.95)
 
 
 @dataclass
@@ -244,14 +251,15 @@ LOSS_NAMES = ("forward_kl", "ce", "tv", "jsd")
 _POSITIVE = ["train.lr", "train.token_budget", "train.grad_accum", "train.ttt_steps", "train.teacher_chunk",
              "train.log_every", "draft.num_steps", "data.max_length", "data.num_proc",
              "data.regenerate_max_new_tokens", "data.regenerate_batch_size", "dump.token_budget",
-             "dump.shard_tokens", "dump.topk", "eval.max_new_tokens", "train.epochs", "train.keep_last",
+             "dump.shard_tokens", "dump.topk", "eval.max_new_tokens", "data.self_prompt_temperature", "train.epochs", "train.keep_last",
              "train.eval_batches"]
 _NON_NEGATIVE = ["train.prefetch", "train.max_steps", "data.max_turns", "train.warmup_steps", "train.weight_decay", "train.max_grad_norm",
-                 "train.eval_every", "train.save_every", "train.feature_loss_weight", "data.max_samples",
+                 "train.eval_every", "train.save_every", "train.feature_loss_weight", "data.max_samples", "data.self_prompts",
                  "data.regenerate_temperature", "dump.draft_vocab_size", "draft.intermediate_size",
                  "eval.max_prompts", "eval.temperature", "eval.top_k", "export.num_speculative_tokens"]
 _UNIT_INTERVAL = {"data.heldout_fraction": (0.0, 1.0, "closed-open"), "train.min_lr_ratio": (0.0, 1.0, "closed"),
-                  "train.ttt_decay": (0.0, 1.0, "open-closed"), "eval.top_p": (0.0, 1.0, "open-closed")}
+                  "train.ttt_decay": (0.0, 1.0, "open-closed"), "eval.top_p": (0.0, 1.0, "open-closed"),
+                  "data.self_prompt_top_p": (0.0, 1.0, "open-closed")}
 
 
 def _resolve(cls: type, name: str) -> Any:
@@ -334,9 +342,22 @@ def validate(recipe: Recipe) -> Recipe:
         raise EyasError(f"recipe key 'dump.layers' takes 3 layer indices (low, middle, high), got {recipe.dump.layers!r}")
     if not recipe.eval.shapes or not all(isinstance(s, str) for s in recipe.eval.shapes):
         raise EyasError(f"recipe key 'eval.shapes' must be a non-empty list of shape strings, got {recipe.eval.shapes!r}")
+    _check_self_prompts(recipe.data)
     if not recipe.run.name or "/" in recipe.run.name:
         raise EyasError(f"recipe key 'run.name' must be a non-empty name without '/', got {recipe.run.name!r}")
     return recipe
+
+
+def _check_self_prompts(data: DataConfig) -> None:
+    if data.self_prompts and not data.regenerate:
+        raise EyasError("data.self_prompts needs data.regenerate: true: the target-written prompts have no replies "
+                        "until the target writes them")
+    if data.self_prompts and data.regenerate_endpoint:
+        raise EyasError("data.self_prompts runs the target itself (an OpenAI chat endpoint cannot continue an open "
+                        "user turn); unset data.regenerate_endpoint or set data.self_prompts: 0")
+    if data.source == "none" and not data.self_prompts:
+        raise EyasError("data.source is 'none' and data.self_prompts is 0: there is no data; set data.self_prompts "
+                        "to the number of conversations to write, or name a data source")
 
 
 def parse_loss_mix(spec: str) -> dict[str, float]:
