@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import time
@@ -244,20 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def quiet_thread_waits() -> None:
-    """Let idle OpenMP threads sleep instead of spinning (before torch is imported).
-
-    Decoding runs many tiny kernels; on a 2-core laptop that is also doing other work, spinning
-    threads fight the busy cores and token-by-token decoding slowed 10-40x in our measurement
-    (HF generate on the tiny test target: 1.4-2.6 tok/s with 2 spinning threads vs 40 tok/s with
-    OMP_WAIT_POLICY=PASSIVE under the same load). A user's own setting wins.
-    """
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
 def main(argv: list[str] | None = None) -> int:
-    quiet_thread_waits()
-    from eyas.cli import guarded
+    from eyas.cli import guarded, quiet_thread_waits
+
+    quiet_thread_waits()  # `python -m eyas.quickstart` does not pass through `eyas.cli.main`
     from eyas.config import load_recipe
 
     args = build_parser().parse_intermixed_args(argv)
