@@ -66,25 +66,34 @@ DRAFTS = {
     "eagle3-ttt3-6ep": ("regen", ["train.epochs=6"]),
     # the chat data plus 1,200 target-written conversations (instructions, code, advice), 3 epochs
     "eagle3-ttt3-self": ("regen-self", []),
+    "mtp5-target-self": ("regen-self", ["draft.kind=mtp", "draft.num_steps=5", "draft.mtp_feed=target",
+                                        "train.ttt_steps=5"]),
 }
 
 # eval suite -> (prompts, temperature, drafts compared); 8 prompts per suite (2 per category of
 # instruct.jsonl) of 40 new tokens keep the four suites within about 20 minutes on 2 cores
 EVAL_PROMPTS = 8
-SUITE_PROMPTS = {"chat-t0-data": 16, "instruct-t0-data": 24}  # the data comparisons are closer: more prompts
+SUITE_PROMPTS = {"chat-t0-data": 16, "instruct-t0-data": 16}  # the data comparisons are closer: more prompts
+SUITE_OVERRIDES = {"chat-t0-bf16": ["target.dtype=bfloat16"]}
 EVAL_TOKENS = 40
 DRAFT_KINDS = ["eagle", "eagle3-ttt1", "eagle3-ttt3", "eagle3-ttt7", "mtp3-chain", "mtp3-target", "mtp5-chain",
                "mtp5-target"]
 DATA_VARIANTS = ["eagle3-ttt3", "eagle3-ttt3-raw"]
 # the later data comparisons, measured side by side with the base draft on twice the prompts
-DATA_COMPARISONS = ["eagle3-ttt3", "eagle3-ttt3-bf16", "eagle3-ttt3-half", "eagle3-ttt3-6ep", "eagle3-ttt3-self"]
+DATA_COMPARISONS = ["eagle3-ttt3", "eagle3-ttt3-bf16", "eagle3-ttt3-half", "eagle3-ttt3-6ep", "eagle3-ttt3-self",
+                    "mtp5-target", "mtp5-target-self"]
+# the drafts trained with target-written prompts against the same drafts without, on instructions
+SELF_COMPARISONS = ["eagle3-ttt3", "eagle3-ttt3-self", "mtp5-target", "mtp5-target-self"]
 # every draft on held-out chat at T=0; the other suites take one draft per kind and TTT extreme
 # (what 2 cores can decode in the time left of a session)
 OTHER_SUITES_DRAFTS = ["eagle", "eagle3-ttt3", "eagle3-ttt7", "mtp3-target", "mtp5-target"]
 SUITES = {
     "chat-t0": ("heldout", 0.0, DRAFT_KINDS + DATA_VARIANTS[1:]),
     "chat-t0-data": ("heldout", 0.0, DATA_COMPARISONS),
-    "instruct-t0-data": (str(ROOT / "benchmarks" / "prompts" / "instruct.jsonl"), 0.0, ["eagle3-ttt3", "eagle3-ttt3-self"]),
+    "instruct-t0-data": (str(ROOT / "benchmarks" / "prompts" / "instruct.jsonl"), 0.0, SELF_COMPARISONS),
+    # the target in bf16 (as served on GPUs): on this AMX CPU a bf16 forward over 13 tokens costs about
+    # what one token does, so verification is nearly free; speedup against the same bf16 target alone
+    "chat-t0-bf16": ("heldout", 0.0, ["eagle3-ttt3", "mtp5-target", "mtp3-target"]),
     "chat-t1": ("heldout", 1.0, OTHER_SUITES_DRAFTS),
     "instruct-t0": (str(ROOT / "benchmarks" / "prompts" / "instruct.jsonl"), 0.0, OTHER_SUITES_DRAFTS),
     "instruct-t1": (str(ROOT / "benchmarks" / "prompts" / "instruct.jsonl"), 1.0, OTHER_SUITES_DRAFTS),
@@ -208,6 +217,7 @@ def stage_eval(out: Path, only: set[str], timings: dict, quickstart: Path | None
                          "eval.drafts=" + json.dumps(checkpoints)]
             if group == "shallow":
                 overrides.append("eval.shapes=" + json.dumps(SHALLOW_SHAPES))
+            overrides += SUITE_OVERRIDES.get(suite, [])
             timings[f"eval:{suite}:{group}"] = eyas("eval", "regen", out, overrides, out / f"eval-{suite}-{group}.log")
 
 
