@@ -5,7 +5,7 @@ SmolLM2-135M-Instruct target, trained and measured on this machine with the eyas
     python benchmarks/study_quality.py --stage train --only eagle3-ttt3 mtp3-chain
     python benchmarks/study_quality.py --stage report         # table + plot from the eval reports
 
-Every run starts from `recipes/smollm2-eagle3.yaml` plus the overrides below, so each variant
+Every run starts from `benchmarks/study_base.yaml` plus the overrides below, so each variant
 differs from the base in the settings its name says and nothing else. Data variants are prepared
 and dumped once each; draft variants reuse a data variant's `prepared/` and `shards/` (symlinked
 into their own run directory) and are trained with the same token budget, learning rate and
@@ -27,7 +27,7 @@ from pathlib import Path
 from machine import machine, versions  # benchmarks/machine.py
 
 ROOT = Path(__file__).resolve().parent.parent
-BASE = ROOT / "recipes" / "smollm2-eagle3.yaml"
+BASE = ROOT / "benchmarks" / "study_base.yaml"
 RESULTS = ROOT / "benchmarks" / "results"
 
 # data variant -> (data variant whose prepared/ it reuses or None, prepare overrides, dump overrides)
