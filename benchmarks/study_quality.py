@@ -75,6 +75,7 @@ DRAFTS = {
 EVAL_PROMPTS = 8
 SUITE_PROMPTS = {"chat-t0-data": 16, "instruct-t0-data": 16}  # the data comparisons are closer: more prompts
 SUITE_OVERRIDES = {"chat-t0-bf16": ["target.dtype=bfloat16"]}
+WITH_QUICKSTART = {"chat-t0", "chat-t0-best"}  # suites where `eyas quickstart`'s draft is measured too
 EVAL_TOKENS = 40
 DRAFT_KINDS = ["eagle", "eagle3-ttt1", "eagle3-ttt3", "eagle3-ttt7", "mtp3-chain", "mtp3-target", "mtp5-chain",
                "mtp5-target"]
@@ -84,9 +85,6 @@ DATA_COMPARISONS = ["eagle3-ttt3", "eagle3-ttt3-bf16", "eagle3-ttt3-half", "eagl
                     "mtp5-target", "mtp5-target-self"]
 # the drafts trained with target-written prompts against the same drafts without, on instructions
 SELF_COMPARISONS = ["eagle3-ttt3", "eagle3-ttt3-self", "mtp5-target", "mtp5-target-self"]
-# every draft on held-out chat at T=0; the other suites take one draft per kind and TTT extreme
-# (what 2 cores can decode in the time left of a session)
-OTHER_SUITES_DRAFTS = ["eagle", "eagle3-ttt3", "eagle3-ttt7", "mtp3-target", "mtp5-target"]
 SUITES = {
     "chat-t0": ("heldout", 0.0, DRAFT_KINDS + DATA_VARIANTS[1:]),
     "chat-t0-data": ("heldout", 0.0, DATA_COMPARISONS),
@@ -94,9 +92,11 @@ SUITES = {
     # the target in bf16 (as served on GPUs): on this AMX CPU a bf16 forward over 13 tokens costs about
     # what one token does, so verification is nearly free; speedup against the same bf16 target alone
     "chat-t0-bf16": ("heldout", 0.0, ["eagle3-ttt3", "mtp5-target", "mtp3-target"]),
-    "chat-t1": ("heldout", 1.0, OTHER_SUITES_DRAFTS),
-    "instruct-t0": (str(ROOT / "benchmarks" / "prompts" / "instruct.jsonl"), 0.0, OTHER_SUITES_DRAFTS),
-    "instruct-t1": (str(ROOT / "benchmarks" / "prompts" / "instruct.jsonl"), 1.0, OTHER_SUITES_DRAFTS),
+    # the best drafts of the widened data beside the quickstart's (run again after a quickstart change)
+    "chat-t0-best": ("heldout", 0.0, ["eagle3-ttt3-self", "mtp5-target-self"]),
+    "chat-t1": ("heldout", 1.0, DRAFT_KINDS),
+    "instruct-t0": (str(ROOT / "benchmarks" / "prompts" / "instruct.jsonl"), 0.0, DRAFT_KINDS),
+    "instruct-t1": (str(ROOT / "benchmarks" / "prompts" / "instruct.jsonl"), 1.0, DRAFT_KINDS),
 }
 
 
@@ -201,24 +201,30 @@ SHALLOW_SHAPES = ["chain:3", "dynamic:depth=3,topk=4,nodes=12"]
 
 
 def stage_eval(out: Path, only: set[str], timings: dict, quickstart: Path | None) -> None:
+    """Eval every suite's drafts; a draft added to a suite later gets its own run (`deep-2`, ...),
+    so the reports on disk are never redone."""
     for suite, (prompts, temperature, drafts) in SUITES.items():
         if only and suite not in only:
             continue
         groups = {"deep": [d for d in drafts if d not in SHALLOW], "shallow": [d for d in drafts if d in SHALLOW]}
         for group, names in groups.items():
-            report = out / "eval" / suite / group / "report.json"
-            if report.is_file() or not names:
+            done = [json.loads(r.read_text()) for r in sorted((out / "eval" / suite).glob(f"{group}*/report.json"))]
+            measured = {draft_of(c["draft"]) for report in done for c in report["configs"]}
+            names = [n for n in names if n not in measured]
+            if not names:
                 continue
+            folder = out / "eval" / suite / (group if not done else f"{group}-{len(done) + 1}")
             checkpoints = [str(out / d / "checkpoints" / "best") for d in names]
-            if quickstart is not None and suite == "chat-t0" and group == "deep":  # `eyas quickstart`'s draft
+            if quickstart is not None and suite in WITH_QUICKSTART and group == "deep" and not done:
                 checkpoints.append(str(quickstart / "checkpoints" / "best"))
-            overrides = [f"eval.prompts={prompts}", f"eval.temperature={temperature}", f"eval.output={report.parent}",
+            overrides = [f"eval.prompts={prompts}", f"eval.temperature={temperature}", f"eval.output={folder}",
                          f"eval.max_prompts={SUITE_PROMPTS.get(suite, EVAL_PROMPTS)}", f"eval.max_new_tokens={EVAL_TOKENS}",
                          "eval.drafts=" + json.dumps(checkpoints)]
             if group == "shallow":
                 overrides.append("eval.shapes=" + json.dumps(SHALLOW_SHAPES))
             overrides += SUITE_OVERRIDES.get(suite, [])
-            timings[f"eval:{suite}:{group}"] = eyas("eval", "regen", out, overrides, out / f"eval-{suite}-{group}.log")
+            timings[f"eval:{suite}:{folder.name}"] = eyas("eval", "regen", out, overrides,
+                                                          out / f"eval-{suite}-{folder.name}.log")
 
 
 def _rows(suite: str, report: dict) -> list[dict]:
