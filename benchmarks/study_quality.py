@@ -71,7 +71,7 @@ DRAFTS = {
 }
 
 # eval suite -> (prompts, temperature, drafts compared); 8 prompts per suite (2 per category of
-# instruct.jsonl) of 40 new tokens keep the four suites within about 20 minutes on 2 cores
+# instruct.jsonl) of 40 new tokens keep a suite of 8 drafts within about 7 minutes on 2 cores
 EVAL_PROMPTS = 8
 SUITE_PROMPTS = {"chat-t0-data": 16, "instruct-t0-data": 16}  # the data comparisons are closer: more prompts
 SUITE_OVERRIDES = {"chat-t0-bf16": ["target.dtype=bfloat16"]}
@@ -158,21 +158,7 @@ def merge_prepared(sources: list[Path], run: Path) -> None:
 
 
 def stage_data(out: Path, only: set[str], timings: dict) -> None:
-    for name, overrides in PARTS.items():
-        if (not only or name in only) and not (out / name / "prepared" / "info.json").is_file():
-            timings[f"prepare:{name}"] = eyas("prepare", name, out, overrides, out / f"{name}.prepare.log")
-    for name, parts in MERGES.items():
-        if only and name not in only:
-            continue
-        merge_prepared([out / p for p in parts], out / name)
-        if not (out / name / "shards" / "heldout").is_dir():
-            timings[f"dump:{name}"] = eyas("dump", name, out, [], out / f"{name}.dump.log")
-    for name, (source, fraction) in SUBSETS.items():
-        if only and name not in only:
-            continue
-        subset_prepared(out / source, out / name, fraction)
-        if not (out / name / "shards" / "heldout").is_dir():
-            timings[f"dump:{name}"] = eyas("dump", name, out, [], out / f"{name}.dump.log")
+    """The base data variants first, then those made from them (merges with their parts, subsets)."""
     for name, (reuse, prepare_over, dump_over) in DATA.items():
         if only and name not in only:
             continue
@@ -183,6 +169,21 @@ def stage_data(out: Path, only: set[str], timings: dict) -> None:
             timings[f"prepare:{name}"] = eyas("prepare", name, out, prepare_over, out / f"{name}.prepare.log")
         if not (run / "shards" / "heldout").is_dir():
             timings[f"dump:{name}"] = eyas("dump", name, out, dump_over, out / f"{name}.dump.log")
+    for name, parts in MERGES.items():
+        if only and name not in only:
+            continue
+        for part in parts:
+            if part in PARTS and not (out / part / "prepared" / "info.json").is_file():
+                timings[f"prepare:{part}"] = eyas("prepare", part, out, PARTS[part], out / f"{part}.prepare.log")
+        merge_prepared([out / p for p in parts], out / name)
+        if not (out / name / "shards" / "heldout").is_dir():
+            timings[f"dump:{name}"] = eyas("dump", name, out, [], out / f"{name}.dump.log")
+    for name, (source, fraction) in SUBSETS.items():
+        if only and name not in only:
+            continue
+        subset_prepared(out / source, out / name, fraction)
+        if not (out / name / "shards" / "heldout").is_dir():
+            timings[f"dump:{name}"] = eyas("dump", name, out, [], out / f"{name}.dump.log")
 
 
 def stage_train(out: Path, only: set[str], timings: dict) -> None:

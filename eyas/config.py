@@ -251,8 +251,8 @@ LOSS_NAMES = ("forward_kl", "ce", "tv", "jsd")
 _POSITIVE = ["train.lr", "train.token_budget", "train.grad_accum", "train.ttt_steps", "train.teacher_chunk",
              "train.log_every", "draft.num_steps", "data.max_length", "data.num_proc",
              "data.regenerate_max_new_tokens", "data.regenerate_batch_size", "dump.token_budget",
-             "dump.shard_tokens", "dump.topk", "eval.max_new_tokens", "data.self_prompt_temperature", "train.epochs", "train.keep_last",
-             "train.eval_batches"]
+             "dump.shard_tokens", "dump.topk", "eval.max_new_tokens", "data.self_prompt_temperature", "train.epochs",
+             "train.keep_last", "train.eval_batches"]
 _NON_NEGATIVE = ["train.prefetch", "train.max_steps", "data.max_turns", "train.warmup_steps", "train.weight_decay", "train.max_grad_norm",
                  "train.eval_every", "train.save_every", "train.feature_loss_weight", "data.max_samples", "data.self_prompts",
                  "data.regenerate_temperature", "dump.draft_vocab_size", "draft.intermediate_size",
