@@ -126,6 +126,8 @@ def subset_prepared(source: Path, run: Path, fraction: float) -> None:
 
     from datasets import load_from_disk
 
+    from eyas.data.prepare import split_stats
+
     if (run / "prepared" / "info.json").is_file():
         return
     train = load_from_disk(str(source / "prepared" / "train"))
@@ -133,14 +135,15 @@ def subset_prepared(source: Path, run: Path, fraction: float) -> None:
     part.save_to_disk(str(run / "prepared" / "train"))
     shutil.copytree(source / "prepared" / "heldout", run / "prepared" / "heldout", dirs_exist_ok=True)
     info = json.loads((source / "prepared" / "info.json").read_text())
-    info["splits"]["train"] = {"samples": len(part), "tokens": sum(map(len, part["input_ids"])),
-                               "loss_tokens": sum(map(sum, part["loss_mask"])), "subset_of": str(source)}
+    info["splits"]["train"] = split_stats(part) | {"subset_of": str(source)}
     (run / "prepared" / "info.json").write_text(json.dumps(info, indent=1))
 
 
 def merge_prepared(sources: list[Path], run: Path) -> None:
     """run/prepared = the rows of every source's prepared splits, in order."""
     from datasets import concatenate_datasets, load_from_disk
+
+    from eyas.data.prepare import split_stats
 
     if (run / "prepared" / "info.json").is_file():
         return
@@ -152,8 +155,7 @@ def merge_prepared(sources: list[Path], run: Path) -> None:
         parts = [load_from_disk(str(s / "prepared" / split)) for s in sources]
         merged = concatenate_datasets([p for p in parts if len(p)])
         merged.save_to_disk(str(run / "prepared" / split))
-        info["splits"][split] = {"samples": len(merged), "tokens": sum(map(len, merged["input_ids"])),
-                                 "loss_tokens": sum(map(sum, merged["loss_mask"]))}
+        info["splits"][split] = split_stats(merged)
     (run / "prepared" / "info.json").write_text(json.dumps(info, indent=1))
 
 

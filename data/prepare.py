@@ -376,14 +376,20 @@ def prepare(recipe: Any, tokenizer: Any = None, model: Any = None) -> dict:
             ds = tokenize_rows(split_rows, tokenizer, recipe.data, cache_dir=out_dir / ".cache")
         ds = count_skips(ds, skips, split)
         _save_dataset(ds, out_dir / split)
-        tokens = sum(len(x) for x in ds["input_ids"]) if len(ds) else 0
-        loss_tokens = sum(sum(m) for m in ds["loss_mask"]) if len(ds) else 0
-        info["splits"][split] = {"samples": len(ds), "tokens": tokens, "loss_tokens": loss_tokens}
+        info["splits"][split] = split_stats(ds)
     info["skipped"] = dict(skips.counts.most_common())
     write_skips(skips, out_dir / "skipped.json")
     (out_dir / "info.json").write_text(json.dumps(info, indent=2))
     save_resolved(recipe, out_dir)
     return info
+
+
+def split_stats(ds: Any) -> dict:
+    """Samples, tokens and loss-masked tokens of a prepared split (the figures in info.json)."""
+    if not len(ds):
+        return {"samples": 0, "tokens": 0, "loss_tokens": 0}
+    return {"samples": len(ds), "tokens": sum(len(x) for x in ds["input_ids"]),
+            "loss_tokens": sum(sum(m) for m in ds["loss_mask"])}
 
 
 def _report(info: dict, out_dir: Path) -> None:

@@ -38,17 +38,18 @@ def keep_prompts(samples: list[str | None], wanted: int, seen: set[str], skips: 
                  seed: int) -> list[dict]:
     """Rows for the usable samples (None: the turn did not end), up to `wanted`; the rest counted in skips."""
     rows = []
-    for offset, text in enumerate(samples):
+    for offset, sampled in enumerate(samples):
         row_id = f"self-{seed}-{first_id + offset}"
+        text = sampled.strip() if sampled is not None else None
         if text is None:
             skips.add("self prompt did not end within data.regenerate_max_new_tokens", row_id)
-        elif not text.strip():
+        elif not text:
             skips.add("self prompt empty", row_id)
-        elif text.strip() in seen:
-            skips.add("self prompt duplicate", row_id, text.strip())
+        elif text in seen:
+            skips.add("self prompt duplicate", row_id, text)
         elif len(rows) < wanted:
-            seen.add(text.strip())
-            rows.append({"id": row_id, "messages": [{"role": "user", "content": text.strip()}]})
+            seen.add(text)
+            rows.append({"id": row_id, "messages": [{"role": "user", "content": text}]})
     return rows
 
 

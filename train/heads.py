@@ -42,12 +42,13 @@ KINDS = ("eagle", "eagle3", "mtp")
 # kinds that may predict over the reduced draft vocabulary (EAGLE-1 keeps the target's full head,
 # which is what serving engines load it with)
 VOCAB_KINDS = ("eagle3", "mtp")
+HEAD_FORMAT_VERSION = 1
 
 
 def uses_draft_vocab(draft_cfg: Any) -> bool:
     """Whether a head of this recipe predicts over the reduced draft vocabulary (d2t/t2d)."""
     return draft_cfg.kind in VOCAB_KINDS and bool(draft_cfg.use_draft_vocab)
-HEAD_FORMAT_VERSION = 1
+
 
 # Families whose q/k/v projections always carry a bias although their config has no
 # `attention_bias` field (transformers hard-codes it).
