@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     from eyas.eval.prompts import Prompt
     from eyas.eval.runner import encode_prompts, evaluate
     from eyas.eval.tree import parse_shape
-    from eyas.eval.verify import SamplingParams
+    from eyas.decode import SamplingParams
     from eyas.targets import load_target
 
     if args.threads > 0:

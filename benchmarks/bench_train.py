@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> dict:
     bare_s = statistics.median(bare)
     dtype = torch.bfloat16 if trainer.accelerator.mixed_precision == "bf16" else torch.float32
     peak = matmul_peak(dtype)
-    flops = model_flops(trainer.head_config, args.seq, args.ttt, trainer.head_config.get("train_lm_head", True))
+    flops = model_flops(trainer.head_config.to_dict(), args.seq, args.ttt, trainer.head_config.train_lm_head)
     return {
         "trainer_tokens_per_s": tokens / trainer_s,
         "bare_tokens_per_s": args.seq / bare_s,

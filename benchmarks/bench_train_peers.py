@@ -69,7 +69,7 @@ def make_batch(seq: int, hidden: int, vocab: int, seed: int = 0) -> dict:
 
 def eyas_setup(target_config, lm_head: torch.Tensor, d2t: torch.Tensor, ttt: int, chunk: int):
     from eyas.config import DraftConfig
-    from eyas.train.heads import build_head
+    from eyas.draft.registry import build_head
     from eyas.train.losses import Teacher
 
     head = build_head(DraftConfig(kind="eagle3"), target_config, [2, 15, 27], d2t)

@@ -37,7 +37,8 @@ def main(argv=None) -> int:
     import torch
 
     from eyas.config import TargetConfig
-    from eyas.eval.kv import cache_kwarg, new_cache, tree_mask
+    from eyas.decode import cache_kwarg, new_cache
+    from eyas.eval.kv import tree_mask
     from eyas.targets import load_target
 
     models = {d: load_target(TargetConfig(path=args.target, dtype=d))[0] for d in DTYPES}

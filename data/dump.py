@@ -13,7 +13,10 @@ So a shard's contents depend only on the data and the settings, never on which p
 it or when: shard i of a 4-process dump, of a resumed dump and of a one-process dump are the
 same bytes (on the same hardware). Ranks (RANK/WORLD_SIZE from torchrun, accelerate or a SLURM
 array) take shards i % WORLD_SIZE == RANK. A shard is written atomically with a sidecar
-recording its sha256; a rerun checks every finished shard and redoes only missing or bad ones.
+recording its sha256; a rerun checks every finished shard and redoes only missing or bad ones
+(a shard whose header carries another plan fingerprint, copied in from another dump with its
+sidecar, is redone too). A single-process rerun also removes the temporary files (`.NAME.tmp.PID`)
+that a killed writer left behind.
 Rank 0 writes index, vocabulary and manifest once every shard exists: co-launched ranks
 (torchrun / accelerate) wait for each other; independent ones (a SLURM array) leave that to a
 final single-process `eyas dump` that finds everything done.
@@ -34,11 +37,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from eyas.config import default_layers
+from eyas.draft.registry import head_class
 from eyas.errors import EyasError
 
 from eyas.data.shards import (
     MANIFEST, SCHEMA_VERSION, atomic_write_json, budget_batches, build_index, check_shard, encode, ids_dtype,
-    read_sidecar, shard_name, wait_for, write_shard,
+    read_sidecar, remove_stale_temps, shard_name, wait_for, write_shard,
 )
 
 PLAN = "plan.json"
@@ -52,12 +57,10 @@ def feature_spec(recipe: Any, target_config: Any) -> dict:
     depth = int(target_config.num_hidden_layers)
     dump = recipe.dump
     spec: dict = {"aux_layers": [], "last_hidden": False, "topk": 0}
-    if recipe.draft.kind == "eagle3":
-        from eyas.config import default_layers
-
+    if head_class(recipe.draft.kind).feature == "aux_hidden":
         spec["aux_layers"] = list(dump.layers) if dump.layers else default_layers(depth)
         spec["last_hidden"] = dump.teacher == "last_hidden"
-    else:  # eagle and mtp read the last hidden state as their feature
+    else:  # the other kinds read the last hidden state as their feature
         spec["last_hidden"] = True
     if dump.teacher == "topk":
         spec["topk"] = int(dump.topk)
@@ -273,7 +276,7 @@ def dump_split(dataset, out_dir: Path, plan: dict, capture: HiddenCapture, spec:
     mine = [i for i in range(len(shards)) if i % world == rank]
     todo = []
     for i in mine:
-        problem = check_shard(out_dir, i, full=True)
+        problem = check_shard(out_dir, i, full=True, expect_plan=plan["fingerprint"])
         if problem:
             if problem != "missing":
                 print(f"eyas dump: redoing {out_dir / shard_name(i)}: {problem}", flush=True)
@@ -305,8 +308,10 @@ def dump_split(dataset, out_dir: Path, plan: dict, capture: HiddenCapture, spec:
     return list(range(len(shards)))
 
 
-def finalize_split(out_dir: Path, num_shards: int, header: dict, wait: bool) -> dict | None:
-    """Rank 0: index + manifest once every shard exists (waiting for co-launched ranks)."""
+def finalize_split(out_dir: Path, num_shards: int, header: dict, wait: bool, plan: str | None = None) -> dict | None:
+    """Rank 0: index + manifest once every shard exists (waiting for co-launched ranks).
+
+    `plan`: the plan fingerprint every shard of this split carries (recorded as manifest `plan`)."""
     sidecars = [out_dir / shard_name(i).replace(".safetensors", ".json") for i in range(num_shards)]
     if wait:
         wait_for(sidecars)
@@ -321,6 +326,8 @@ def finalize_split(out_dir: Path, num_shards: int, header: dict, wait: bool) -> 
     tokens = sum(r["num_tokens"] for r in records)
     shard_bytes = sum(r["bytes"] for r in records)
     manifest = dict(header)
+    if plan is not None:
+        manifest["plan"] = plan
     manifest.update(
         num_samples=sum(r["num_samples"] for r in records), num_tokens=tokens,
         num_loss_tokens=sum(r["num_loss_tokens"] for r in records), bytes=shard_bytes,
@@ -341,7 +348,7 @@ def dump(recipe: Any, model: Any = None, tokenizer: Any = None) -> dict | None:
     from eyas.config import check_against_target, save_resolved
     from eyas.data.prepare import load_prepared, prepared_info, tokenizer_identity
     from eyas.data.vocab import count_tokens, write_vocab
-    from eyas.targets import load_target, target_identity
+    from eyas.targets import IDENTITY_SCHEME, load_target, target_identity
 
     rank, world, co_launched = distributed_env()
     run_dir = recipe.run_dir
@@ -362,7 +369,8 @@ def dump(recipe: Any, model: Any = None, tokenizer: Any = None) -> dict | None:
     hidden = int(config.hidden_size)
     vocab_size = int(config.vocab_size)
     header = {
-        "schema_version": SCHEMA_VERSION, "target_identity": identity, "target_path": recipe.target.path,
+        "schema_version": SCHEMA_VERSION, "target_identity": identity, "identity_scheme": IDENTITY_SCHEME,
+        "target_path": recipe.target.path,
         "model_type": config.model_type, "hidden_size": hidden, "num_hidden_layers": int(config.num_hidden_layers),
         "vocab_size": vocab_size, "draft_kind": recipe.draft.kind, "layers": spec["aux_layers"],
         "encoding": recipe.dump.encoding, "low_layer_encoding": recipe.dump.low_layer_encoding or recipe.dump.encoding,
@@ -371,7 +379,11 @@ def dump(recipe: Any, model: Any = None, tokenizer: Any = None) -> dict | None:
     capture = HiddenCapture(model, spec["aux_layers"])
     root = run_dir / "shards"
     outputs = {"train": root, "heldout": root / "heldout"}
-    counts = {}
+    if world == 1:  # another process's writer may be alive on another node: only a lone process cleans up
+        stale = remove_stale_temps(root)
+        if stale:
+            print(f"eyas dump: removed {len(stale)} temporary file(s) left by an interrupted run", flush=True)
+    counts, plans = {}, {}
     try:
         for split, dataset in splits.items():
             settings = {k: header[k] for k in ("target_identity", "layers", "encoding", "low_layer_encoding",
@@ -379,6 +391,7 @@ def dump(recipe: Any, model: Any = None, tokenizer: Any = None) -> dict | None:
             settings.update(shard_tokens=recipe.dump.shard_tokens, token_budget=recipe.dump.token_budget)
             plan = dict(settings, data=data_fingerprint(dataset), num_samples=len(dataset))
             plan["fingerprint"] = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:20]
+            plans[split] = plan["fingerprint"]
             counts[split] = dump_split(dataset, outputs[split], plan, capture, spec, recipe.dump, vocab_size,
                                        device, rank, world, split)
     finally:
@@ -390,7 +403,8 @@ def dump(recipe: Any, model: Any = None, tokenizer: Any = None) -> dict | None:
         if split == "train":
             token_counts = count_tokens(splits["train"], vocab_size)
             header["vocab"] = write_vocab(root, token_counts, recipe.dump.draft_vocab_size)
-        manifests[split] = finalize_split(outputs[split], len(counts[split]), header, wait=co_launched and world > 1)
+        manifests[split] = finalize_split(outputs[split], len(counts[split]), header, wait=co_launched and world > 1,
+                                          plan=plans[split])
     save_resolved(recipe, root)
     return manifests["train"]
 
@@ -406,17 +420,14 @@ def _report(manifest: dict | None, root: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from eyas.cli import guarded, stage_parser
-    from eyas.config import load_recipe
+    # command line only: the stage's library functions do not need the CLI helpers
+    from eyas import stages
+    from eyas.cli import stage_main  # likewise
 
-    args = stage_parser("eyas dump", "run the frozen target and write hidden-state shards").parse_args(argv)
+    def body(recipe: Any, args: Any) -> None:
+        stages.run("dump", recipe, lambda: _report(dump(recipe), recipe.run_dir / "shards"), force=args.force)
 
-    def body() -> int:
-        recipe = load_recipe(args.recipe, args.overrides)
-        _report(dump(recipe), recipe.run_dir / "shards")
-        return 0
-
-    return guarded(body, args.debug)
+    return stage_main("dump", argv, body)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,10 @@ Before rendering, `data.self_prompts` adds conversations whose user turn the tar
 (`eyas.data.regenerate`).
 
 Rows that cannot be used are counted by reason, printed, and written to
-`run_dir/prepared/skipped.json`; nothing is dropped silently.
+`run_dir/prepared/skipped.json`; nothing is dropped silently. Rows longer than
+`data.max_length` that are kept cut (`data.overflow: truncate`) are counted there too
+(`truncated`, with examples), apart from the skips. The target must be a causal LM (a
+masked LM is refused before any work), and a rerun removes temporary files a killed run left.
 
 Output: `run_dir/prepared/{train,heldout}` (`datasets` save_to_disk) with columns
 `id`, `input_ids`, `loss_mask`, `messages`; `load_prepared(run_dir, split)` reads them.
@@ -29,12 +32,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
 from eyas.errors import EyasError
+from eyas.io import atomic_write_json, fresh_partial, publish_dir, remove_stale_temps
 
 from eyas.data.sources import Skips, first_turns, load_rows, split_heldout
 
@@ -45,6 +48,7 @@ NO_ASSISTANT = "no assistant turn"
 TEMPLATE_ERROR = "template rejected the conversation"
 TOO_LONG = "longer than max_length"
 NOTHING_LEFT = "no assistant tokens within max_length"
+TOKENIZED_SCHEMA = 2  # columns of the tokenised cache (2: + truncated); part of its file name
 
 
 # ----------------------------------------------------------------------------- rendering
@@ -206,7 +210,8 @@ def fit_length(ids: list[int], mask: list[int], max_length: int, overflow: str) 
 
 def prepare_row(row: dict, tokenizer: Any, max_length: int, overflow: str, system_prompt: str) -> dict:
     """One row -> {id, input_ids, loss_mask, messages, skip, detail}; never raises for bad data."""
-    out = {"id": row["id"], "input_ids": [], "loss_mask": [], "messages": [], "skip": "", "detail": ""}
+    out = {"id": row["id"], "input_ids": [], "loss_mask": [], "messages": [], "skip": "", "detail": "",
+           "truncated": False}
     if row.get("text"):
         ids, mask = tokenize_text(tokenizer, row["text"])
     else:
@@ -223,8 +228,11 @@ def prepare_row(row: dict, tokenizer: Any, max_length: int, overflow: str, syste
         except Exception as exc:  # jinja's raise_exception, undefined fields, ...: the template's verdict
             out["skip"], out["detail"] = TEMPLATE_ERROR, f"{type(exc).__name__}: {exc}"
             return out
+    full_length = len(ids)
     ids, mask, reason = fit_length(ids, mask, max_length, overflow)
-    out.update(input_ids=ids, loss_mask=mask, skip=reason, detail=f"{len(ids)} tokens" if reason else "")
+    truncated = not reason and full_length > len(ids)
+    detail = f"{len(ids)} tokens" if reason else f"{full_length} tokens, cut to {len(ids)}" if truncated else ""
+    out.update(input_ids=ids, loss_mask=mask, skip=reason, detail=detail, truncated=truncated)
     return out
 
 
@@ -243,13 +251,13 @@ def _features():
     message = {"role": Value("string"), "content": Value("string")}
     return Features({
         "id": Value("string"), "input_ids": Sequence(Value("int32")), "loss_mask": Sequence(Value("int8")),
-        "messages": [message], "skip": Value("string"), "detail": Value("string"),
+        "messages": [message], "skip": Value("string"), "detail": Value("string"), "truncated": Value("bool"),
     })
 
 
 def _fingerprint(rows: list[dict], tokenizer: Any, settings: dict) -> str:
     h = hashlib.sha256()
-    h.update(json.dumps(settings, sort_keys=True).encode())
+    h.update(json.dumps(dict(settings, schema=TOKENIZED_SCHEMA), sort_keys=True).encode())
     h.update((tokenizer.chat_template or "").encode())
     h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
     for row in rows:
@@ -277,32 +285,34 @@ def tokenize_rows(rows: list[dict], tokenizer: Any, data_cfg: Any, cache_dir: Pa
 
 
 def count_skips(ds, skips: Skips, split: str):
-    """Move skipped rows out of `ds` into `skips` (with the split name in the example)."""
+    """Move skipped rows out of `ds` into `skips` (with the split name in the example); count the
+    kept rows that were cut to max_length."""
     reasons = ds["skip"]
     skipped = [i for i, r in enumerate(reasons) if r]
     if skipped:
         sub = ds.select(skipped).select_columns(["id", "skip", "detail"])
         for row in sub:
             skips.add(row["skip"], row["id"], f"{split}: {row['detail']}".rstrip(": "))
+    cut = [i for i, t in enumerate(ds["truncated"]) if t]
+    if cut:
+        for row in ds.select(cut).select_columns(["id", "detail"]):
+            skips.add_truncated(row["id"], f"{split}: {row['detail']}")
     kept = ds.filter(lambda r: not r, input_columns=["skip"]) if skipped else ds
-    return kept.remove_columns(["skip", "detail"])
+    return kept.remove_columns(["skip", "detail", "truncated"])
 
 
 def _save_dataset(ds, out: Path) -> None:
-    """save_to_disk into a temporary folder, then rename: a killed prepare leaves no half split."""
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+    """save_to_disk into a temporary folder, then swap it in: a killed prepare leaves no half split."""
+    tmp = fresh_partial(out)
     ds.save_to_disk(str(tmp), num_shards=1 if len(ds) == 0 else None)  # an empty split still gets a file
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    publish_dir(tmp, out)
 
 
 def write_skips(skips: Skips, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"total": skips.total, "counts": dict(skips.counts.most_common()), "examples": skips.examples}
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, indent=2))
-    tmp.replace(path)
+    payload = {"total": skips.total, "counts": dict(skips.counts.most_common()), "examples": skips.examples,
+               "truncated": skips.truncated, "truncated_examples": skips.truncated_examples}
+    atomic_write_json(path, payload)
 
 
 def tokenizer_identity(tokenizer: Any) -> str:
@@ -338,9 +348,12 @@ def prepared_info(run_dir: str | Path) -> dict:
 def prepare(recipe: Any, tokenizer: Any = None, model: Any = None) -> dict:
     """Run the whole stage for a recipe; returns the info dict written to prepared/info.json."""
     from eyas.config import save_resolved
-    from eyas.targets import load_tokenizer
+    from eyas.targets import load_target_config, load_tokenizer
 
     out_dir = recipe.run_dir / "prepared"
+    if model is None:  # a masked LM or untrusted custom code is refused before any work
+        load_target_config(recipe.target.path, trust_remote_code=recipe.target.trust_remote_code)
+    remove_stale_temps(out_dir)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(recipe.target)
     if not getattr(tokenizer, "is_fast", False):
         raise EyasError("prepare needs a fast tokenizer (offset mappings); the target's tokenizer is a slow one")
@@ -350,9 +363,10 @@ def prepare(recipe: Any, tokenizer: Any = None, model: Any = None) -> dict:
         rows, skips = load_rows(recipe.data.source, recipe.data.format, recipe.data.max_samples)
     rows = first_turns(rows, recipe.data.max_turns)
     if recipe.data.regenerate and model is None and not recipe.data.regenerate_endpoint:
-        from eyas.targets import load_target
+        from eyas.precision import regenerate_dtype
+        from eyas.targets import load_target, pick_device
 
-        dtype = recipe.data.regenerate_dtype or recipe.target.dtype
+        dtype = regenerate_dtype(recipe.data.regenerate_dtype, recipe.target.dtype, pick_device(recipe.target.device))
         model, _ = load_target(dataclasses.replace(recipe.target, dtype=dtype))  # once, for every use below
     written = []
     if recipe.data.self_prompts:
@@ -363,12 +377,17 @@ def prepare(recipe: Any, tokenizer: Any = None, model: Any = None) -> dict:
     train_rows, heldout_rows = split_heldout(rows, recipe.data.heldout_fraction, recipe.run.seed)
     if recipe.data.regenerate:
         from eyas.data.regenerate import regenerate_rows
+        from eyas.data.self_prompts import regenerate_unreplied  # two-turn self-conversations are answered already
 
-        train_rows = regenerate_rows(train_rows, recipe, tokenizer, model=model)
-        heldout_rows = regenerate_rows(heldout_rows, recipe, tokenizer, model=model)
+        train_rows = regenerate_unreplied(train_rows, lambda r: regenerate_rows(r, recipe, tokenizer, model=model))
+        heldout_rows = regenerate_unreplied(heldout_rows, lambda r: regenerate_rows(r, recipe, tokenizer, model=model))
     info = {"source": recipe.data.source, "tokenizer_identity": tokenizer_identity(tokenizer),
             "target_path": recipe.target.path, "regenerated": bool(recipe.data.regenerate),
             "self_prompts": len(written), "splits": {}}
+    if written:
+        from eyas.data.self_prompts import category_mix, turn_mix
+
+        info["self_prompt_categories"], info["self_prompt_turns"] = category_mix(written), turn_mix(written)
     for split, split_rows in (("train", train_rows), ("heldout", heldout_rows)):
         if not split_rows:
             ds = tokenize_rows([{"id": "_", "messages": []}], tokenizer, recipe.data).select([])
@@ -378,8 +397,9 @@ def prepare(recipe: Any, tokenizer: Any = None, model: Any = None) -> dict:
         _save_dataset(ds, out_dir / split)
         info["splits"][split] = split_stats(ds)
     info["skipped"] = dict(skips.counts.most_common())
+    info["truncated"] = skips.truncated
     write_skips(skips, out_dir / "skipped.json")
-    (out_dir / "info.json").write_text(json.dumps(info, indent=2))
+    atomic_write_json(out_dir / "info.json", info)
     save_resolved(recipe, out_dir)
     return info
 
@@ -395,28 +415,34 @@ def split_stats(ds: Any) -> dict:
 def _report(info: dict, out_dir: Path) -> None:
     for split, s in info["splits"].items():
         print(f"eyas prepare: {split}: {s['samples']} samples, {s['tokens']} tokens ({s['loss_tokens']} under the loss mask)")
+    if info.get("self_prompts"):
+        mix = ", ".join(f"{k} {v}" for k, v in info.get("self_prompt_categories", {}).items())
+        turns = ", ".join(f"{v} with {k} user turn{'s' if k != '1' else ''}"
+                          for k, v in info.get("self_prompt_turns", {}).items())
+        print(f"eyas prepare: {info['self_prompts']} target-written conversations ({turns})"
+              + (f"; categories: {mix}" if mix else ""))
     skipped = info["skipped"]
     if skipped:
         listed = ", ".join(f"{n} {reason}" for reason, n in skipped.items())
         print(f"eyas prepare: skipped {sum(skipped.values())} rows: {listed} (listed in {out_dir / 'skipped.json'})")
     else:
         print("eyas prepare: no rows skipped")
+    if info.get("truncated"):
+        print(f"eyas prepare: cut {info['truncated']} rows longer than data.max_length to their first tokens "
+              f"(data.overflow: truncate; listed in {out_dir / 'skipped.json'})")
     print(f"eyas prepare: wrote {out_dir}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    from eyas.cli import guarded, stage_parser
-    from eyas.config import load_recipe
+    # command line only: the stage's library functions do not need the CLI helpers
+    from eyas import stages
+    from eyas.cli import stage_main  # likewise
 
-    args = stage_parser("eyas prepare", "render chat data with the target's template and build loss masks").parse_args(argv)
+    def body(recipe: Any, args: Any) -> None:
+        stages.run("prepare", recipe, lambda: _report(prepare(recipe), recipe.run_dir / "prepared"),
+                   force=args.force)
 
-    def body() -> int:
-        recipe = load_recipe(args.recipe, args.overrides)
-        info = prepare(recipe)
-        _report(info, recipe.run_dir / "prepared")
-        return 0
-
-    return guarded(body, args.debug)
+    return stage_main("prepare", argv, body)
 
 
 if __name__ == "__main__":

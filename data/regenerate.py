@@ -14,7 +14,7 @@ Two back ends:
   by turn number and sorted by prompt length so a batch wastes little padding);
 - an OpenAI-compatible server (`data.regenerate_endpoint`, e.g. vLLM or SGLang serving a large
   target), with `regenerate_batch_size` requests in flight; standard library only.
-Greedy at temperature 0, sampling otherwise (seeded by run.seed for HF generate).
+Greedy at temperature 0, sampling otherwise (seeded by run.seed for the built-in loop).
 Turns whose prompt already fills `data.max_length` are left as they are: prepare would cut them.
 """
 
@@ -28,7 +28,11 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+import torch
+
+from eyas.decode import SamplingParams, plain_decode, seeded_generator, stop_token_ids, token_chooser
 from eyas.errors import EyasError
+from eyas.targets import load_target
 
 
 def with_reply_slots(rows: list[dict]) -> list[dict]:
@@ -99,36 +103,17 @@ def regenerate_conversations(rows: list[dict], generate: Callable[[list[list[dic
     return rows, stats
 
 
-# ----------------------------------------------------------------------------- HF generate
-
-
-def stop_token_ids(model: Any, tokenizer: Any) -> set[int]:
-    """The tokens that end a turn: the tokenizer's EOS and every EOS of the model's generation config."""
-    eos = {tokenizer.eos_token_id}
-    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    eos |= set(config_eos if isinstance(config_eos, list) else [config_eos] if config_eos is not None else [])
-    eos.discard(None)
-    return eos
+# ----------------------------------------------------------------------------- the target itself
 
 
 def hf_generator(model: Any, tokenizer: Any, max_new_tokens: int, temperature: float, seed: int):
     """A `generate(prompts) -> replies` function running the target over left-padded batches
-    (`eyas.eval.kv.plain_decode`: finished rows leave the batch, about twice as fast as HF
+    (`eyas.decode.plain_decode`: finished rows leave the batch, about twice as fast as HF
     `generate` on 2 CPU cores for chitchat replies)."""
-    import torch
-
-    from eyas.eval.kv import plain_decode
-
     device = next(model.parameters()).device
-    eos = stop_token_ids(model, tokenizer)
+    eos = set(stop_token_ids(model, tokenizer))
     eos_ids = torch.tensor(sorted(eos), device=device)
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-
-    def choose(logits: torch.Tensor) -> torch.Tensor:
-        if temperature <= 0:
-            return logits.argmax(-1)
-        return torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=generator).squeeze(1)
+    choose = token_chooser(SamplingParams(max(0.0, temperature)), seeded_generator(device, seed))
 
     def generate(prompts: list[list[dict]]) -> list[str]:
         texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
@@ -216,12 +201,10 @@ def regenerate_rows(rows: list[dict], recipe: Any, tokenizer: Any, model: Any = 
         where = f"{data.regenerate_endpoint} ({name})"
     else:
         if model is None:
-            from eyas.targets import load_target
-
             model, _ = load_target(recipe.target)
         generate = hf_generator(model, tokenizer, data.regenerate_max_new_tokens, data.regenerate_temperature,
                                 recipe.run.seed)
-        where = "the target (HF generate)"
+        where = "the target (batched KV-cache loop)"
 
     def prompt_tokens(messages: list[dict]) -> int:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

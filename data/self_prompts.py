@@ -6,26 +6,166 @@ Xu et al. 2024). With the replies regenerated as well, these conversations come 
 target's own prompt distribution (questions, writing, code, advice) and need no dataset, so
 they widen a chitchat-only training set towards the prompts a deployed draft meets.
 
-Prompts are sampled (temperature and top-p from the recipe), deduplicated, and dropped when
-they are empty or do not end within `data.regenerate_max_new_tokens`; every drop is counted in
-`skipped.json`. Sampling stops when N prompts are kept or after 3N attempts.
+Steering (`data.self_prompt_categories`): left alone, a small target writes mostly one kind of
+request. With a list of categories, the N prompts are split evenly over them (the first
+N mod k categories get one more) and each attempt is steered towards its category by two
+things in the text handed to the target: a system prompt saying what kind of user it plays
+(only while it writes; the conversation keeps the template's default system prompt), and the
+first words of the user turn ("Translate into German:", "Write a Python function that"),
+which stay part of the prompt. A category's openers are used in turn. A prompt kept for a
+category records it: `category` on the row and in the id (`self-<seed>-<attempt>-<category>`);
+prepare counts the mix in `info.json` and its report. `STEERS` lists the built-in categories;
+a recipe can add its own as `{name: "system prompt"}` or `{name: {system: ..., openers: [...]}}`.
+Built-in SmolLM2-135M follows the openers far more than the system prompt.
+
+Multi-turn (`data.self_prompt_turns: 2`): after a first user turn is kept, the target answers it
+(the regeneration settings), then writes the user's follow-up after its own answer, steered by
+the follow-up system prompt and openers ("Can you", "What if"), and answers that too. These
+conversations are complete when prepare receives them, so its regeneration pass leaves them as
+they are (`replied` on the row). A follow-up that does not end is resampled up to 3 times; a
+conversation whose follow-up never ends is kept with one exchange (counted in `info.json`).
+
+Prompts are sampled (temperature and top-p from the recipe), deduplicated — exactly, and as near
+duplicates when the Jaccard similarity of their word 3-gram sets with an earlier kept prompt is
+`data.self_prompt_dedup` or more (`eyas.ngrams.NearDuplicates`) — and dropped when they are empty
+or do not end within `data.regenerate_max_new_tokens`; every drop is counted in `skipped.json`,
+with the category in the example. Sampling for a category stops when its share is kept or after
+3 attempts per wanted prompt.
 """
 
 from __future__ import annotations
 
+import re
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from eyas.errors import EyasError
+from eyas.ngrams import NearDuplicates
 
 MARK = "\x00EYAS_PROMPT\x00"
 ATTEMPTS_PER_PROMPT = 3  # give up after this many samples per wanted prompt (a model that rarely ends its turn)
+NOT_ENDED = "self prompt did not end within data.regenerate_max_new_tokens"
+EMPTY = "self prompt empty"
+DUPLICATE = "self prompt duplicate"
+NEAR_DUPLICATE = "self prompt near-duplicate"
+FOLLOW_UP_NOT_ENDED = "self prompt follow-up did not end within data.regenerate_max_new_tokens"
+FOLLOW_UP_EMPTY = "self prompt follow-up empty"
+NAME = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
 
 
-def user_header(tokenizer: Any) -> str:
-    """The chat template's text before a first user message's content (system prompt included)."""
+@dataclass(frozen=True)
+class Steer:
+    """What steers one attempt: a system prompt while the target writes, and the user turn's first words."""
+
+    category: str
+    system: str
+    opener: str = ""
+
+
+@dataclass(frozen=True)
+class Category:
+    name: str
+    system: str
+    openers: tuple[str, ...] = ()
+
+    def steer(self, turn: int) -> Steer:
+        """The steer of this category's `turn`-th attempt (openers used in turn)."""
+        opener = self.openers[turn % len(self.openers)] if self.openers else ""
+        return Steer(self.name, self.system, opener)
+
+
+def _user(asks: str) -> str:
+    return f"You are a user chatting with an AI assistant. {asks} Write only your own message to the assistant."
+
+
+STEERS: dict[str, Category] = {c.name: c for c in (
+    Category("writing", _user("You ask it to write something for you: a poem, a story, an email, a note or a speech."),
+             ("Write a", "Can you write", "Help me write", "Draft a")),
+    Category("roleplay", _user("You ask it to play a character or a role and talk to you in that role."),
+             ("Pretend you are", "Act as", "Let's play a game where you are", "You are a")),
+    Category("reasoning", _user("You give it a small logic puzzle or everyday reasoning question to think through."),
+             ("If", "Which is", "Why does", "Is it true that")),
+    Category("maths", _user("You ask it to solve a maths problem or to explain a calculation."),
+             ("What is", "Solve", "Calculate", "How many")),
+    Category("coding", _user("You ask for help with programming: writing, explaining or fixing a short piece of code."),
+             ("Write a Python function that", "How do I", "What does this code do?\n\n```python\n",
+              "Write a SQL query that", "Why does this code not work?\n\n```python\n")),
+    Category("extraction", _user("You paste a short text and ask it to pull out names, dates, numbers or facts."),
+             ("Extract", "List all the", "From the text below, find")),
+    Category("stem", _user("You ask a question about science, nature, technology or medicine."),
+             ("How does", "Why do", "Explain", "What is the difference between")),
+    Category("humanities", _user("You ask about history, literature, philosophy, art or society."),
+             ("Who was", "What was", "Why did", "Explain the history of")),
+    Category("translation", _user("You ask it to translate a sentence from one language into another."),
+             ("Translate into French:", "Translate into Spanish:", "Translate into German:", "How do you say")),
+    Category("summarisation", _user("You paste a text and ask it for a short summary."),
+             ("Summarise this text:\n\n", "Can you summarise", "Give me a short summary of", "TL;DR:")),
+    Category("qa", _user("You ask a short factual question."),
+             ("What is", "Who", "Where is", "How many", "When did")),
+    Category("passage_qa", _user("You paste a short passage and ask a question that the passage answers."),
+             ("Read the passage and answer the question.\n\nPassage:", "Based on the text below,",
+              "According to this paragraph,")),
+    Category("chat", _user("You ask for everyday advice or recommendations, as in a casual conversation."),
+             ("I", "Any tips for", "What should I", "Can you recommend")),
+)}
+FOLLOW_UP = Category(
+    "follow-up",
+    "You are a user chatting with an AI assistant. You have just read its answer. Write one short follow-up "
+    "message: ask for a change, more detail, an example or a related question. Write only your own message.",
+    ("Can you", "Thanks! Now", "What if", "Why", "Could you make it"),
+)
+
+
+def parse_categories(spec: list) -> list[Category]:
+    """`data.self_prompt_categories` -> categories; an EyasError names an entry that is not one."""
+    out: list[Category] = []
+    for item in spec:
+        if isinstance(item, str):
+            if item not in STEERS:
+                raise EyasError(f"data.self_prompt_categories: unknown category '{item}'; use a built-in one "
+                                f"({', '.join(STEERS)}) or give your own as {{{item}: \"system prompt\"}}")
+            out.append(STEERS[item])
+            continue
+        if not (isinstance(item, dict) and len(item) == 1):
+            raise EyasError(f"data.self_prompt_categories: entry {item!r} must be a category name or a one-key "
+                            "mapping {name: \"system prompt\"} (or {name: {system: ..., openers: [...]}})")
+        (name, value), = item.items()
+        system, openers = value, []
+        if isinstance(value, dict):
+            unknown = set(value) - {"system", "openers"}
+            system, openers = value.get("system", ""), value.get("openers", [])
+            if unknown or not isinstance(openers, list) or not all(isinstance(o, str) and o for o in openers):
+                raise EyasError(f"data.self_prompt_categories: category '{name}' takes 'system' (a string) and "
+                                "'openers' (a list of non-empty strings) only")
+        if not isinstance(system, str) or not (system.strip() or openers):
+            raise EyasError(f"data.self_prompt_categories: category '{name}' needs a system prompt (a non-empty "
+                            "string) or openers")
+        out.append(Category(str(name), system.strip(), tuple(openers)))
+    for category in out:
+        if not NAME.match(category.name):
+            raise EyasError(f"data.self_prompt_categories: category name '{category.name}' must be lower-case "
+                            "letters, digits, '_' or '-' (it goes into row ids)")
+    names = [c.name for c in out]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise EyasError(f"data.self_prompt_categories: category '{repeated[0]}' is listed twice; list each once")
+    return out
+
+
+def quotas(count: int, categories: list[Category]) -> dict[str, int]:
+    """`count` prompts split evenly over the categories, the first `count % k` getting one more."""
+    k = len(categories)
+    return {c.name: count // k + (1 if i < count % k else 0) for i, c in enumerate(categories)}
+
+
+def user_header(tokenizer: Any, system: str = "", history: list[dict] | None = None) -> str:
+    """The chat template's text before a user message's content: the first one (default system prompt
+    included), or, after `history`, the next one; with `system` as the system prompt when given."""
+    messages = ([{"role": "system", "content": system}] if system else []) + list(history or [])
     try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": MARK}], tokenize=False)
+        text = tokenizer.apply_chat_template(messages + [{"role": "user", "content": MARK}], tokenize=False)
     except Exception as exc:  # templates raise their own error types
         raise EyasError(f"data.self_prompts: the target's chat template cannot render a user turn ({exc})") from None
     if MARK not in text:
@@ -34,79 +174,216 @@ def user_header(tokenizer: Any) -> str:
     return text[: text.index(MARK)]
 
 
-def keep_prompts(samples: list[str | None], wanted: int, seen: set[str], skips: Any, first_id: int,
-                 seed: int) -> list[dict]:
-    """Rows for the usable samples (None: the turn did not end), up to `wanted`; the rest counted in skips."""
-    rows = []
-    for offset, sampled in enumerate(samples):
-        row_id = f"self-{seed}-{first_id + offset}"
+class _Keeper:
+    """The keep/drop rules of first user turns, shared by every batch of one prepare."""
+
+    def __init__(self, skips: Any, seed: int, dedup: float):
+        self.skips, self.seed = skips, seed
+        self.seen: set[str] = set()
+        self.near = NearDuplicates(dedup) if dedup < 1.0 else None
+        self.kept_texts: list[str] = []
+
+    def keep(self, sampled: str | None, attempt: int, steer: Steer | None) -> dict | None:
+        row_id = f"self-{self.seed}-{attempt}" + (f"-{steer.category}" if steer is not None else "")
+        where = f"{steer.category}: " if steer is not None else ""
         text = sampled.strip() if sampled is not None else None
         if text is None:
-            skips.add("self prompt did not end within data.regenerate_max_new_tokens", row_id)
-        elif not text:
-            skips.add("self prompt empty", row_id)
-        elif text in seen:
-            skips.add("self prompt duplicate", row_id, text)
-        elif len(rows) < wanted:
-            seen.add(text)
-            rows.append({"id": row_id, "messages": [{"role": "user", "content": text}]})
-    return rows
+            self.skips.add(NOT_ENDED, row_id, where.rstrip(": "))
+            return None
+        if not text or (steer is not None and text == steer.opener.strip()):
+            self.skips.add(EMPTY, row_id, where.rstrip(": "))
+            return None
+        if text in self.seen:
+            self.skips.add(DUPLICATE, row_id, where + text)
+            return None
+        if self.near is not None:
+            match = self.near.check(text)
+            if match is not None:
+                self.skips.add(NEAR_DUPLICATE, row_id, f"{where}{text[:90]!r} ~ {self.kept_texts[match][:90]!r}")
+                return None
+            self.near.add(text)
+        self.seen.add(text)
+        self.kept_texts.append(text)
+        row = {"id": row_id, "messages": [{"role": "user", "content": text}]}
+        if steer is not None:
+            row["category"] = steer.category
+        return row
 
 
-def write_prompts(sample: Callable[[int], list[str | None]], count: int, batch_size: int, skips: Any, seed: int,
-                  progress: Any = None) -> list[dict]:
-    """`count` distinct user turns from `sample(n) -> n texts (None: unfinished)`, in batches."""
-    rows: list[dict] = []
-    seen: set[str] = set()
-    attempts = 0
-    while len(rows) < count and attempts < ATTEMPTS_PER_PROMPT * count:
-        n = min(batch_size, ATTEMPTS_PER_PROMPT * count - attempts)
-        new = keep_prompts(sample(n), count - len(rows), seen, skips, attempts, seed)
-        rows += new
-        attempts += n
+def write_prompts(sample: Callable[[list[Steer | None]], list[str | None]], count: int, batch_size: int,
+                  skips: Any, seed: int, progress: Any = None, categories: list[Category] | None = None,
+                  dedup: float = 1.0) -> list[dict]:
+    """`count` distinct user turns from `sample(steers) -> one text per steer (None: unfinished)`, in
+    batches. Without categories every steer is None; with them each category gets its `quotas` share,
+    attempts going round-robin over the categories still short (never more in a batch than a category
+    still needs), at most 3 per wanted prompt."""
+    keeper = _Keeper(skips, seed, dedup)
+    if not categories:
+        categories_left = {None: count}
+        budget = {None: ATTEMPTS_PER_PROMPT * count}
+    else:
+        categories_left = dict(quotas(count, categories))
+        budget = {name: ATTEMPTS_PER_PROMPT * n for name, n in categories_left.items()}
+    by_name = {c.name: c for c in categories or []}
+    turns: Counter = Counter()  # attempts per category so far (which opener comes next)
+    kept: dict[Any, list[tuple[int, dict]]] = {name: [] for name in categories_left}
+    attempt = 0
+    cursor = 0
+    while True:
+        open_names = [n for n in categories_left if len(kept[n]) < categories_left[n] and budget[n] > 0]
+        if not open_names:
+            break
+        steers: list[Steer | None] = []
+        names: list[Any] = []
+        planned: Counter = Counter()
+        while len(steers) < batch_size:
+            live = [n for n in open_names  # no more attempts planned than a category still needs
+                    if budget[n] - planned[n] > 0 and len(kept[n]) + planned[n] < categories_left[n]]
+            if not live:
+                break
+            name = live[cursor % len(live)]
+            cursor += 1
+            planned[name] += 1
+            steers.append(by_name[name].steer(turns[name]) if name is not None else None)
+            turns[name] += 1
+            names.append(name)
+        samples = sample(steers)
+        if len(samples) != len(steers):
+            raise ValueError(f"the prompt sampler returned {len(samples)} texts for {len(steers)} steers")
+        new = 0
+        for name, steer, sampled in zip(names, steers, samples):
+            budget[name] -= 1
+            if len(kept[name]) >= categories_left[name]:
+                attempt += 1
+                continue  # the category filled earlier in this batch: not kept, not a drop
+            row = keeper.keep(sampled, attempt, steer)
+            if row is not None:
+                kept[name].append((attempt, row))
+                new += 1
+            attempt += 1
         if progress is not None:
-            progress.update(len(new))
-    return rows
+            progress.update(new)
+    return [row for _, row in sorted(pair for name in categories_left for pair in kept[name])]  # attempt order
+
+
+def _decode_new(tokenizer: Any, new: list[list[int]], stops: set[int]) -> list[str | None]:
+    return [tokenizer.decode(seq[:-1], skip_special_tokens=True) if seq and seq[-1] in stops else None for seq in new]
 
 
 def hf_prompt_sampler(model: Any, tokenizer: Any, max_new_tokens: int, temperature: float, top_p: float,
-                      seed: int) -> Callable[[int], list[str | None]]:
-    """`sample(n)`: n user turns the target writes after its template's user header."""
+                      seed: int) -> Callable[..., list[str | None]]:
+    """`sample(steers, histories=None)`: one user turn per steer (None: unsteered; an int n: n unsteered),
+    the target writing after its template's user header, opening with the steer's words; after the
+    conversation in `histories[i]` when given (a follow-up). None for a turn that did not end."""
     import torch
 
-    from eyas.data.regenerate import stop_token_ids
-    from eyas.eval.kv import plain_decode
-    from eyas.eval.verify import SamplingParams, process_logits
+    from eyas.decode import SamplingParams, plain_decode, seeded_generator, stop_token_ids, token_chooser
 
     device = next(model.parameters()).device
-    header = tokenizer(user_header(tokenizer), add_special_tokens=False, return_tensors="pt")["input_ids"].to(device)
-    stops = stop_token_ids(model, tokenizer)  # the end-of-turn token is among them for chat models
+    stops = set(stop_token_ids(model, tokenizer))  # the end-of-turn token is among them for chat models
     stop_ids = torch.tensor(sorted(stops), device=device)
-    params = SamplingParams(temperature, top_p)
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
+    choose = token_chooser(SamplingParams(temperature, top_p), seeded_generator(device, seed))
 
-    def choose(logits: torch.Tensor) -> torch.Tensor:
-        return torch.multinomial(process_logits(logits, params), 1, generator=generator).squeeze(1)
-
-    def sample(n: int) -> list[str | None]:
-        ids = header.expand(n, -1)
-        new = plain_decode(model, ids, torch.ones_like(ids), max_new_tokens, stop_ids, choose)
-        return [tokenizer.decode(seq[:-1], skip_special_tokens=True) if seq and seq[-1] in stops else None
-                for seq in new]
+    def sample(steers: list[Steer | None] | int, histories: list[list[dict]] | None = None) -> list[str | None]:
+        if isinstance(steers, int):
+            steers = [None] * steers
+        if not steers:
+            return []
+        heads = [user_header(tokenizer, s.system if s else "", histories[i] if histories else None)
+                 + (s.opener if s else "") for i, s in enumerate(steers)]
+        side = tokenizer.padding_side
+        tokenizer.padding_side = "left"
+        try:
+            enc = tokenizer(heads, add_special_tokens=False, padding=True, return_tensors="pt").to(device)
+        finally:
+            tokenizer.padding_side = side
+        texts = _decode_new(tokenizer, plain_decode(model, enc["input_ids"], enc["attention_mask"], max_new_tokens,
+                                                    stop_ids, choose), stops)
+        return [None if t is None else (s.opener if s else "") + t for s, t in zip(steers, texts)]
 
     return sample
 
 
+def add_follow_ups(rows: list[dict], reply: Callable[[list[list[dict]]], list[str]],
+                   sample: Callable[..., list[str | None]], batch_size: int, skips: Any) -> list[dict]:
+    """Two-turn conversations: each row's first turn answered (`reply`: prompts -> replies), a follow-up
+    user turn written after that answer (`sample(steers, histories)`, up to 3 tries), and answered.
+    Rows come back complete (`replied`); one whose follow-up never ended keeps its one exchange."""
+    out = [dict(row, messages=[dict(m) for m in row["messages"]]) for row in rows]
+    for start in range(0, len(out), batch_size):
+        batch = out[start:start + batch_size]
+        for row, answer in zip(batch, reply([r["messages"] for r in batch])):
+            row["messages"].append({"role": "assistant", "content": answer})
+            row["replied"] = True
+    pending = [r for r in out if r["messages"][-1]["content"].strip()]  # an empty first answer gets no follow-up
+    for tries in range(ATTEMPTS_PER_PROMPT):
+        if not pending:
+            break
+        failed = []
+        for start in range(0, len(pending), batch_size):
+            batch = pending[start:start + batch_size]
+            steers = [FOLLOW_UP.steer(tries + start + i) for i in range(len(batch))]
+            for row, steer, text in zip(batch, steers, sample(steers, [r["messages"] for r in batch])):
+                text = text.strip() if text is not None else None
+                if not text or text == steer.opener.strip():
+                    skips.add(FOLLOW_UP_NOT_ENDED if text is None else FOLLOW_UP_EMPTY, row["id"],
+                              row.get("category", ""))
+                    failed.append(row)
+                    continue
+                row["messages"].append({"role": "user", "content": text})
+        pending = failed
+    complete = [r for r in out if r["messages"][-1]["role"] == "user"]
+    for start in range(0, len(complete), batch_size):
+        batch = complete[start:start + batch_size]
+        for row, answer in zip(batch, reply([r["messages"] for r in batch])):
+            row["messages"].append({"role": "assistant", "content": answer})
+    return out
+
+
+def category_mix(rows: list[dict]) -> dict[str, int]:
+    """Kept target-written conversations per category (empty when unsteered)."""
+    return dict(Counter(r["category"] for r in rows if r.get("category")))
+
+
+def turn_mix(rows: list[dict]) -> dict[str, int]:
+    """Target-written conversations by number of user turns ('1', '2')."""
+    return {str(k): v for k, v in sorted(Counter(sum(m["role"] == "user" for m in r["messages"])
+                                                  for r in rows).items())}
+
+
+def regenerate_unreplied(rows: list[dict], regenerate: Callable[[list[dict]], list[dict]]) -> list[dict]:
+    """`regenerate` applied to the rows not already answered by the target (`replied`), order kept."""
+    todo = [i for i, row in enumerate(rows) if not row.get("replied")]
+    if len(todo) == len(rows):
+        return regenerate(rows)
+    out = list(rows)
+    for i, row in zip(todo, regenerate([rows[i] for i in todo]) if todo else []):
+        out[i] = row
+    return out
+
+
 def self_prompt_rows(recipe: Any, model: Any, tokenizer: Any, skips: Any) -> list[dict]:
-    """The prepare step: `data.self_prompts` conversations of one target-written user turn."""
+    """The prepare step: `data.self_prompts` target-written conversations (one or two user turns)."""
     from tqdm import tqdm
 
     data = recipe.data
+    categories = parse_categories(data.self_prompt_categories)
     sample = hf_prompt_sampler(model, tokenizer, data.regenerate_max_new_tokens, data.self_prompt_temperature,
                                data.self_prompt_top_p, recipe.run.seed)
     with tqdm(total=data.self_prompts, unit="prompt", desc="writing prompts", dynamic_ncols=True) as progress:
-        rows = write_prompts(sample, data.self_prompts, data.regenerate_batch_size, skips, recipe.run.seed, progress)
-    print(f"eyas prepare: the target wrote {len(rows)} of {data.self_prompts} prompts "
-          f"({sum(n for r, n in skips.counts.items() if r.startswith('self prompt'))} samples dropped)", flush=True)
+        rows = write_prompts(sample, data.self_prompts, data.regenerate_batch_size, skips, recipe.run.seed, progress,
+                             categories=categories, dedup=data.self_prompt_dedup)
+    dropped = sum(n for r, n in skips.counts.items() if r.startswith("self prompt"))
+    mix = category_mix(rows)
+    listed = f"; categories: {', '.join(f'{k} {v}' for k, v in mix.items())}" if mix else ""
+    print(f"eyas prepare: the target wrote {len(rows)} of {data.self_prompts} prompts ({dropped} samples dropped"
+          f"{listed})", flush=True)
+    if data.self_prompt_turns >= 2 and rows:
+        from eyas.data.regenerate import hf_generator
+
+        reply = hf_generator(model, tokenizer, data.regenerate_max_new_tokens, data.regenerate_temperature,
+                             recipe.run.seed)
+        rows = add_follow_ups(rows, reply, sample, data.regenerate_batch_size, skips)
+        print(f"eyas prepare: the target wrote follow-up turns: {turn_mix(rows).get('2', 0)} of {len(rows)} "
+              "conversations have two user turns", flush=True)
     return rows

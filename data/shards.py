@@ -11,8 +11,23 @@ Layout of a shard directory (written by `eyas dump`):
                             `offsets` int64 [n+1], `sample_index` int64 [n] (prepared rows),
                             `input_ids` [N] (uint16 when the vocabulary fits, else int32),
                             `loss_mask` uint8 [N], features per token (below).
+                            `sample_crc32` int64 [n] (CRC-32 of each sample's bytes, below).
     shard-00000.json        the shard's sidecar (sha256, bytes, counts): a shard is done when both
                             files exist and agree; a killed writer leaves neither (temp + rename).
+
+Each shard's safetensors metadata holds the fingerprint of the dump plan it was written for
+(target identity, data, settings; also in the manifest as `plan`) and its own shard number.
+
+What a reader verifies, and when (`ShardReader`, on by default; `eyas verify` checks everything):
+- at open, for every shard: that it exists with its recorded size, and its header (one small
+  read): the plan fingerprint and shard number (a shard copied in from another dump, even of a
+  target with the same shapes, is refused here), the sample and token counts. The small index
+  is hashed against the manifest as it is read;
+- the first time a process reads from a shard: `offsets` and `sample_index` against the index;
+- the first time a process reads a sample: the CRC-32 of exactly the bytes read (every per-token
+  tensor's rows) against `sample_crc32`. So a corrupt byte stops training at the batch that
+  would read it, and the cost is proportional to what is read (the time to first batch stays
+  flat). Shards written before `sample_crc32` existed are hashed whole (sha256) at first read.
 
 Features (per token; `<name>` holds the codes, `<name>.scale` the scales when encoded):
     aux_hidden.0/.1/.2      EAGLE-3's fused layers (HF hidden_states indices in manifest `layers`)
@@ -30,8 +45,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import time
-from collections import OrderedDict
+import zlib
+from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -39,6 +56,7 @@ import numpy as np
 import torch
 
 from eyas.errors import EyasError
+from eyas.io import atomic_write_bytes, atomic_write_json, remove_stale_temps  # noqa: F401 - re-exported
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -47,6 +65,9 @@ ENCODINGS = ("bf16", "fp16", "fp8", "int8", "int4")
 INT4_GROUP = 32
 FP8_MAX = 448.0
 OPEN_HANDLES = 64  # safetensors handles kept open by a reader (least recently used are closed)
+CHECKSUM = "sample_crc32"  # per sample: CRC-32 over its rows of every per-token tensor (sorted by name)
+NOT_PER_TOKEN = ("offsets", "sample_index", CHECKSUM)
+MAX_HEADER = 100 << 20  # safetensors' own limit on a header
 
 
 # ----------------------------------------------------------------------------- encodings
@@ -124,35 +145,36 @@ def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
     return h.hexdigest()
 
 
-def atomic_write_bytes(path: Path, payload: bytes) -> None:
-    """Write to a temporary file in the same folder, fsync, rename: readers never see half a file."""
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise EyasError(
-            f"cannot write '{path}': {exc.strerror or exc}; free disk space or fix permissions and rerun "
-            "(finished files are kept)"
-        ) from None
-
-
-def atomic_write_json(path: Path, data: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(data, indent=2) + "\n").encode())
-
-
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
+
+
+def _rows_bytes(t: torch.Tensor) -> np.ndarray:
+    """A per-token tensor as bytes, one row per token ([N, bytes per token], uint8)."""
+    t = t.contiguous()
+    flat = t.reshape(t.shape[0], -1) if t.dim() > 1 else t.reshape(-1, 1)
+    return flat.view(torch.uint8).numpy()
+
+
+def sample_checksums(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """CRC-32 per sample over its rows of every per-token tensor, in name order (int64 [n])."""
+    offsets = tensors["offsets"].tolist()
+    rows = [_rows_bytes(tensors[name]) for name in sorted(tensors) if name not in NOT_PER_TOKEN]
+    sums = []
+    for start, end in zip(offsets[:-1], offsets[1:]):
+        crc = 0
+        for r in rows:
+            crc = zlib.crc32(r[start:end], crc)
+        sums.append(crc)
+    return torch.tensor(sums, dtype=torch.int64)
 
 
 def write_shard(directory: Path, index: int, tensors: dict[str, torch.Tensor], metadata: dict) -> dict:
     """Serialise one shard (bytes are deterministic for equal tensors), write it and its sidecar."""
     from safetensors.torch import save
 
+    tensors = dict(tensors)
+    tensors[CHECKSUM] = sample_checksums(tensors)
     # One metadata key holding sorted JSON: safetensors writes several keys in a per-process
     # random (hash map) order, which would make equal shards differ byte for byte.
     payload = save({k: v.contiguous() for k, v in tensors.items()}, metadata={"eyas": json.dumps(metadata, sort_keys=True)})
@@ -166,6 +188,120 @@ def write_shard(directory: Path, index: int, tensors: dict[str, torch.Tensor], m
     return record
 
 
+def read_header(path: Path) -> dict:
+    """The safetensors header of a file (tensor table and `__metadata__`): one small read.
+
+    ValueError says what is wrong with it."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError("shorter than a safetensors header")
+        n = int.from_bytes(head, "little")
+        size = os.fstat(f.fileno()).st_size
+        if n > MAX_HEADER or n + 8 > size:
+            raise ValueError(f"header length {n} does not fit the file ({size} bytes)")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    return header
+
+
+def shard_metadata(header: dict) -> dict:
+    """The eyas metadata a shard header carries ({} when there is none)."""
+    raw = (header.get("__metadata__") or {}).get("eyas")
+    if raw is None:
+        return {}
+    try:
+        meta = json.loads(raw)
+    except ValueError:
+        raise ValueError("its eyas metadata is not valid JSON") from None
+    return meta if isinstance(meta, dict) else {}
+
+
+def header_problem(header: dict, index: int, expect_plan: str | None, record: dict | None = None) -> str:
+    """'' if a shard header fits this dump (plan fingerprint, shard number, counts), else what differs."""
+    try:
+        meta = shard_metadata(header)
+    except ValueError as exc:
+        return f"a damaged file ({exc})"
+    plan = meta.get("plan")
+    if expect_plan is not None and plan != expect_plan:
+        return (f"from another dump (its plan fingerprint is {plan}, this dump's is {expect_plan}: "
+                "another target, other data or other settings)")
+    if "shard" in meta and meta["shard"] != index:
+        return f"shard {meta['shard']} of its dump, not shard {index}"
+    if record is not None:
+        expected = {"offsets": [record.get("num_samples", -2) + 1], "input_ids": [record.get("num_tokens")]}
+        for name, shape in expected.items():
+            if shape[0] is None or shape[0] < 0:
+                continue
+            entry = header.get(name)
+            if not isinstance(entry, dict) or entry.get("shape") != shape:
+                got = entry.get("shape") if isinstance(entry, dict) else "nothing"
+                return f"a damaged file ({name} has shape {got}, the manifest says {shape})"
+    return ""
+
+
+def expected_plan(shard_dir: Path, manifest: dict | None = None) -> str | None:
+    """The plan fingerprint every shard of a dump carries: the manifest's, else plan.json's."""
+    if manifest is not None and manifest.get("plan"):
+        return manifest["plan"]
+    try:
+        return json.loads((Path(shard_dir) / "plan.json").read_text()).get("fingerprint")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def file_problems(shard_dir: Path, manifest: dict) -> list[tuple[Path, str]]:
+    """(path, what is wrong) for each file of a dump that is missing, resized or not of this dump.
+
+    Reads one small header per shard; `verify` adds the full checksums."""
+    shard_dir = Path(shard_dir)
+    plan = expected_plan(shard_dir, manifest)
+    headers: dict[int, dict] = {}
+    problems = file_problems_sizes(shard_dir, manifest)
+    flagged = {path for path, _ in problems}
+    for i, record in enumerate(manifest["shards"]):
+        path = shard_dir / record["file"]
+        if path in flagged:
+            continue
+        try:
+            headers[i] = read_header(path)
+        except (OSError, ValueError) as exc:
+            problems.append((path, f"a damaged file ({exc})"))
+    if plan is None and headers:  # a dump without a recorded plan: every shard must carry the same one
+        plan = Counter(_plan_of(h) for h in headers.values()).most_common(1)[0][0]
+    for i, header in headers.items():
+        problem = header_problem(header, i, plan, manifest["shards"][i])
+        if problem:
+            problems.append((shard_dir / manifest["shards"][i]["file"], problem))
+    return problems
+
+
+def _plan_of(header: dict) -> str | None:
+    try:
+        return shard_metadata(header).get("plan")
+    except ValueError:
+        return None
+
+
+def file_problems_sizes(shard_dir: Path, manifest: dict) -> list[tuple[Path, str]]:
+    """Existence and size of every file of a dump (all a reader checks with verify=False)."""
+    problems = []
+    for record in manifest["shards"] + [manifest["index"]]:
+        path = Path(shard_dir) / record["file"]
+        if not path.is_file():
+            problems.append((path, "missing"))
+        elif path.stat().st_size != record["bytes"]:
+            problems.append((path, f"truncated or altered ({path.stat().st_size} bytes, "
+                                   f"the manifest says {record['bytes']})"))
+    return problems
+
+
 def read_sidecar(directory: Path, index: int) -> dict | None:
     path = directory / shard_name(index).replace(".safetensors", ".json")
     try:
@@ -174,8 +310,11 @@ def read_sidecar(directory: Path, index: int) -> dict | None:
         return None
 
 
-def check_shard(directory: Path, index: int, full: bool = True) -> str:
-    """'' if shard `index` is complete and intact, else why not (missing, truncated, checksum)."""
+def check_shard(directory: Path, index: int, full: bool = True, expect_plan: str | None = None) -> str:
+    """'' if shard `index` is complete and intact, else why not (missing, truncated, checksum, foreign).
+
+    `expect_plan`: the plan fingerprint of the dump being made; a shard written for another plan
+    (copied in from another dump, sidecar and all) is not this dump's."""
     record = read_sidecar(directory, index)
     path = directory / shard_name(index)
     if record is None:
@@ -185,6 +324,13 @@ def check_shard(directory: Path, index: int, full: bool = True) -> str:
     size = path.stat().st_size
     if size != record["bytes"]:
         return f"truncated or resized ({size} bytes, expected {record['bytes']})"
+    if expect_plan is not None:
+        try:
+            problem = header_problem(read_header(path), index, expect_plan)
+        except (OSError, ValueError) as exc:
+            problem = f"a damaged file ({exc})"
+        if problem:
+            return problem
     if full and sha256_file(path) != record["sha256"]:
         return "checksum mismatch (corrupt)"
     return ""
@@ -214,18 +360,25 @@ def build_index(directory: Path, records: list[dict]) -> dict:
 
 
 def verify(shard_dir: str | Path) -> list[str]:
-    """Full check of a dump: every shard's sha256 against the manifest. Returns problems, one per file."""
+    """Full check of a dump: every file's size, header and sha256 against the manifest, and the
+    shards' offsets against the index. Returns problems, one per file."""
     shard_dir = Path(shard_dir)
     manifest = read_manifest(shard_dir)
-    problems = []
+    found = file_problems(shard_dir, manifest)
+    problems = [f"{path}: {problem}" for path, problem in found]
+    flagged = {path for path, _ in found}
     for record in manifest["shards"] + [manifest["index"]]:
         path = shard_dir / record["file"]
-        if not path.is_file():
-            problems.append(f"{path}: missing")
-        elif path.stat().st_size != record["bytes"]:
-            problems.append(f"{path}: truncated ({path.stat().st_size} bytes, manifest says {record['bytes']})")
-        elif sha256_file(path) != record["sha256"]:
+        if path not in flagged and sha256_file(path) != record["sha256"]:
             problems.append(f"{path}: checksum mismatch (corrupt)")
+            flagged.add(path)
+    if shard_dir / INDEX not in flagged:
+        reader = ShardReader(shard_dir, check_files=False)
+        for i, record in enumerate(manifest["shards"]):
+            path = shard_dir / record["file"]
+            problem = "" if path in flagged else reader.shard_problem(i)
+            if problem:
+                problems.append(f"{path}: {problem}")
     return problems
 
 
@@ -249,52 +402,69 @@ def read_manifest(shard_dir: Path) -> dict:
 
 
 class ShardReader:
-    """Random access to the samples of a dump: lazy, memory-mapped, validated on open.
+    """Random access to the samples of a dump: lazy, memory-mapped, validated on open and on read.
 
-    Opening reads only manifest.json and the small index (memory-mapped), and checks that every
-    file exists with its recorded size (a cheap stat per shard; `verify()` hashes the bytes).
-    Shard files are opened with safetensors' `safe_open` the first time a sample needs them.
+    Opening reads manifest.json and the small index (hashed against the manifest as it is read),
+    and checks every shard's size and header (one small read per shard: plan fingerprint, shard
+    number, counts; see the module docstring). Shard files are opened with safetensors'
+    `safe_open` the first time a sample needs them; then their offsets are checked against the
+    index, and each sample's bytes against its CRC-32 the first time this process reads it.
     `expect_identity`: the target identity the caller trains for; shards of another target or
-    tokenizer are refused with the reason.
+    tokenizer are refused with the reason. `verify=False` keeps only the size checks (benchmarks).
     """
 
-    def __init__(self, shard_dir: str | Path, expect_identity: str | None = None, dtype: torch.dtype = torch.float32):
+    def __init__(self, shard_dir: str | Path, expect_identity: str | None = None, dtype: torch.dtype = torch.float32,
+                 verify: bool = True, check_files: bool = True):
         self.shard_dir = Path(shard_dir)
         self.manifest = read_manifest(self.shard_dir)
         self.dtype = dtype
+        self.verify = bool(verify)
         if expect_identity is not None and self.manifest["target_identity"] != expect_identity:
+            older = ("; it was dumped by an older eyas whose target identity included the target's folder"
+                     if "identity_scheme" not in self.manifest else "")
             raise EyasError(
                 f"the shards in '{self.shard_dir}' were dumped from another target or tokenizer "
                 f"(identity {self.manifest['target_identity']}, target '{self.manifest.get('target_path')}'), "
-                f"not the one this run uses (identity {expect_identity}); dump again for this target"
+                f"not the one this run uses (identity {expect_identity}){older}; dump again for this target"
             )
-        self._check_files()
+        if check_files:
+            self._check_files()
         self._index = self._load_index()
+        records = self.manifest["shards"]
+        counts = [r.get("num_samples") for r in records]
+        self._starts = np.cumsum([0] + counts) if all(isinstance(c, int) for c in counts) else None
         self._handles: OrderedDict[int, Any] = OrderedDict()
         self._offsets: dict[int, torch.Tensor] = {}
+        self._reset_verification()
+
+    def _reset_verification(self) -> None:
+        self._checked: dict[int, tuple[list[str], torch.Tensor | None]] = {}  # shard -> (row tensors, crcs)
+        self._sample_ok = np.zeros(len(self._index["length"]), dtype=bool)
 
     # -- opening
     def _check_files(self) -> None:
-        problems = []
-        for record in self.manifest["shards"] + [self.manifest["index"]]:
-            path = self.shard_dir / record["file"]
-            if not path.is_file():
-                problems.append(f"'{path}' is missing")
-            elif path.stat().st_size != record["bytes"]:
-                problems.append(f"'{path}' is truncated or altered ({path.stat().st_size} bytes, "
-                                f"the manifest says {record['bytes']})")
-        if problems:
+        found = (file_problems if self.verify else file_problems_sizes)(self.shard_dir, self.manifest)
+        if found:
+            problems = [f"'{path}' is {problem}" for path, problem in found]
             more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
             raise EyasError(f"{len(problems)} shard file(s) are missing or damaged: {'; '.join(problems[:5])}{more}; "
                             "rerun `eyas dump RECIPE` to repair them")
 
     def _load_index(self) -> dict[str, torch.Tensor]:
-        from safetensors import safe_open
+        from safetensors.torch import load
 
         path = self.shard_dir / INDEX
         try:
-            with safe_open(str(path), "pt") as f:
-                return {k: f.get_tensor(k) for k in f.keys()}
+            payload = path.read_bytes()
+        except OSError as exc:
+            raise EyasError(f"shard index '{path}' cannot be read ({exc.strerror or exc}); "
+                            "rerun `eyas dump RECIPE`") from None
+        expected = self.manifest.get("index", {}).get("sha256")
+        if self.verify and expected and hashlib.sha256(payload).hexdigest() != expected:
+            raise EyasError(f"shard index '{path}' does not match its checksum in the manifest (corrupt); "
+                            "rerun `eyas dump RECIPE` to repair it")
+        try:
+            return load(payload)
         except Exception as exc:  # safetensors raises its own error types for a damaged header
             raise EyasError(f"shard index '{path}' cannot be read ({exc}); rerun `eyas dump RECIPE`") from None
 
@@ -307,18 +477,69 @@ class ShardReader:
         path = self.shard_dir / self.manifest["shards"][shard]["file"]
         try:
             handle = safe_open(str(path), "pt")
-            self._offsets[shard] = handle.get_tensor("offsets")
+            offsets = handle.get_tensor("offsets")
         except Exception as exc:
             raise EyasError(f"shard file '{path}' cannot be read ({exc}); rerun `eyas dump RECIPE` to repair it") from None
+        if self.verify and shard not in self._checked:
+            problem = self._shard_problem(shard, handle, offsets)
+            if problem:
+                raise EyasError(f"shard file '{path}' is corrupt: {problem}; rerun `eyas dump RECIPE` to repair it")
+        self._offsets[shard] = offsets
         self._handles[shard] = handle
         if len(self._handles) > OPEN_HANDLES:
             old, _ = self._handles.popitem(last=False)
             self._offsets.pop(old, None)
         return handle
 
-    def __getstate__(self):  # DataLoader workers re-open files lazily in their own process
+    def shard_problem(self, shard: int) -> str:
+        """'' if shard `shard` passes the first-read checks (offsets, sample_index, checksums), else why not."""
+        from safetensors import safe_open
+
+        try:
+            handle = safe_open(str(self.shard_dir / self.manifest["shards"][shard]["file"]), "pt")
+            return self._shard_problem(shard, handle, handle.get_tensor("offsets"))
+        except Exception as exc:
+            return f"cannot be read ({exc})"
+
+    def _shard_problem(self, shard: int, handle: Any, offsets: torch.Tensor) -> str:
+        """First read of a shard in this process: offsets and sample_index against the index, and
+        the per-sample checksums loaded (or, for a shard without them, the whole file hashed)."""
+        record = self.manifest["shards"][shard]
+        keys = set(handle.keys())
+        n = int(offsets.numel()) - 1
+        if self._starts is not None:
+            start, end = int(self._starts[shard]), int(self._starts[shard + 1])
+            if n != end - start:
+                return f"its offsets hold {n} samples, the manifest says {end - start}"
+            if offsets.dtype != torch.int64 or (n >= 0 and int(offsets[0]) != 0):
+                return "its offsets do not start at 0"
+            lengths = (offsets[1:] - offsets[:-1]).numpy()
+            bad = np.nonzero(lengths != self._index["length"][start:end].numpy())[0]
+            if bad.size:
+                return f"its offsets give sample {int(bad[0])} {int(lengths[bad[0]])} tokens, the index says " \
+                       f"{int(self._index['length'][start + int(bad[0])])}"
+            if n and int(offsets[-1]) != record.get("num_tokens", int(offsets[-1])):
+                return f"its offsets end at {int(offsets[-1])}, the shard holds {record.get('num_tokens')} tokens"
+            if not torch.equal(handle.get_tensor("sample_index").to(torch.int64),
+                               self._index["prepared_index"][start:end]):
+                return "its sample_index differs from the index"
+        rows = sorted(k for k in keys if k not in NOT_PER_TOKEN)
+        crcs = None
+        if CHECKSUM in keys:
+            crcs = handle.get_tensor(CHECKSUM)
+            if crcs.numel() != n:
+                return f"it holds {crcs.numel()} sample checksums for {n} samples"
+        else:  # written before per-sample checksums: hash the whole file once
+            path = self.shard_dir / record["file"]
+            if sha256_file(path) != record["sha256"]:
+                return "its sha256 differs from the manifest's"
+        self._checked[shard] = (rows, crcs)
+        return ""
+
+    def __getstate__(self):  # DataLoader workers re-open (and re-check) files lazily in their own process
         state = dict(self.__dict__)
-        state["_handles"], state["_offsets"] = OrderedDict(), {}
+        state["_handles"], state["_offsets"], state["_checked"] = OrderedDict(), {}, {}
+        state["_sample_ok"] = np.zeros_like(self._sample_ok)
         return state
 
     # -- access
@@ -338,13 +559,25 @@ class ShardReader:
     def prepared_index(self, i: int) -> int:
         return int(self._index["prepared_index"][i])
 
+    def shard_offsets(self, shard: int) -> torch.Tensor:
+        """Token offsets of the samples of shard `shard` (opens, and on first use checks, the shard)."""
+        self._handle(shard)
+        return self._offsets[shard]
+
     def _read(self, handle, name: str, start: int, end: int) -> torch.Tensor:
         return handle.get_slice(name)[start:end]
 
-    def _decode_feature(self, handle, name: str, encoding: str, start: int, end: int) -> torch.Tensor:
-        codes = self._read(handle, name, start, end)
-        scale = self._read(handle, name + ".scale", start, end) if encoding in ("int8", "fp8", "int4") else None
-        return decode(codes, scale, encoding, self.dtype)
+    def _check_sample(self, i: int, shard: int, row: int, raw: dict[str, torch.Tensor]) -> None:
+        rows, crcs = self._checked[shard]
+        if crcs is not None:
+            crc = 0
+            for name in rows:
+                crc = zlib.crc32(_rows_bytes(raw[name]), crc)
+            if crc != int(crcs[row]):
+                path = self.shard_dir / self.manifest["shards"][shard]["file"]
+                raise EyasError(f"shard file '{path}' is corrupt: sample {row} (prepared row {self.prepared_index(i)}) "
+                                "does not match its checksum; rerun `eyas dump RECIPE` to repair it")
+        self._sample_ok[i] = True
 
     def sample(self, i: int) -> dict[str, torch.Tensor]:
         """Sample i: input_ids long [T], loss_mask float [T], decoded features [T, ...]."""
@@ -354,21 +587,36 @@ class ShardReader:
         handle = self._handle(shard)
         offsets = self._offsets[shard]
         start, end = int(offsets[row]), int(offsets[row + 1])
-        out = {
-            "input_ids": self._read(handle, "input_ids", start, end).long(),
-            "loss_mask": self._read(handle, "loss_mask", start, end).to(torch.float32),
-        }
+        verify = self.verify and not self._sample_ok[i]
+        names = self._checked[shard][0] if verify else None
+        raw: dict[str, torch.Tensor] = {}
+
+        def read(name: str) -> torch.Tensor:
+            if name not in raw:
+                raw[name] = self._read(handle, name, start, end)
+            return raw[name]
+
+        if verify:
+            for name in names:
+                read(name)
+            self._check_sample(i, shard, row, raw)
+        out = {"input_ids": read("input_ids").long(), "loss_mask": read("loss_mask").to(torch.float32)}
         features = self.manifest["features"]
+
+        def decoded(name: str, encoding: str) -> torch.Tensor:
+            scale = read(name + ".scale") if encoding in ("int8", "fp8", "int4") else None
+            return decode(read(name), scale, encoding, self.dtype)
+
         if "aux_hidden" in features:
             encs = features["aux_hidden"]["encodings"]
-            parts = [self._decode_feature(handle, f"aux_hidden.{j}", enc, start, end) for j, enc in enumerate(encs)]
-            out["aux_hidden"] = torch.cat(parts, dim=-1)
+            out["aux_hidden"] = torch.cat([decoded(f"aux_hidden.{j}", enc) for j, enc in enumerate(encs)], dim=-1)
         if "last_hidden" in features:
-            out["last_hidden"] = self._decode_feature(handle, "last_hidden", features["last_hidden"]["encoding"], start, end)
+            out["last_hidden"] = decoded("last_hidden", features["last_hidden"]["encoding"])
         if "topk_values" in features:
-            out["topk_values"] = self._read(handle, "topk_values", start, end).to(torch.float32)
-            out["topk_ids"] = self._read(handle, "topk_ids", start, end).long()
+            out["topk_values"] = read("topk_values").to(torch.float32)
+            out["topk_ids"] = read("topk_ids").long()
         return out
+
 
 
 # ----------------------------------------------------------------------------- batching
@@ -499,3 +747,60 @@ def wait_for(paths: list[Path], poll_s: float = 2.0, timeout_s: float | None = N
         if timeout_s is not None and time.monotonic() - start > timeout_s:
             raise EyasError(f"gave up waiting for {len(missing)} shard(s) from other ranks, e.g. '{missing[0]}'")
         time.sleep(poll_s)
+
+
+# ----------------------------------------------------------------------------- `eyas verify`
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`eyas verify RUN_DIR_OR_RECIPE`: the full check of a run's shards (every byte hashed)."""
+    from eyas.cli import guarded, stage_parser
+
+    parser = stage_parser("eyas verify", "check a run's shards in full: sizes, headers, sha256, offsets")
+    args = parser.parse_args(argv)
+
+    def body() -> int:
+        where = Path(args.recipe)
+        identity = None
+        if where.is_dir():
+            if args.overrides:
+                raise EyasError("overrides (section.key=value) need a recipe file; "
+                                "give the recipe instead of the folder")
+            root = where / "shards" if (where / "shards" / MANIFEST).is_file() else where
+        else:
+            from eyas.config import load_recipe
+            from eyas.targets import load_target_config, load_tokenizer, target_identity
+
+            recipe = load_recipe(where, args.overrides)
+            root = recipe.run_dir / "shards"
+            if (root / MANIFEST).is_file():
+                config = load_target_config(recipe.target.path, trust_remote_code=recipe.target.trust_remote_code)
+                identity = target_identity(config, load_tokenizer(recipe.target))
+        dirs = [d for d in (root, root / "heldout") if (d / MANIFEST).is_file()]
+        if not dirs:
+            raise EyasError(f"no shards at '{root}' ({MANIFEST} is missing); run `eyas dump RECIPE` first")
+        problems: list[str] = []
+        for d in dirs:
+            started = time.perf_counter()
+            manifest = read_manifest(d)
+            found = verify(d)
+            if identity is not None and manifest.get("target_identity") != identity:
+                found.insert(0, f"{d}: dumped from another target or tokenizer (identity "
+                                f"{manifest.get('target_identity')}, the recipe's target has {identity})")
+            for line in found:
+                print(f"eyas verify: {line}", flush=True)
+            if not found:
+                size = sum(r["bytes"] for r in manifest["shards"]) + manifest["index"]["bytes"]
+                print(f"eyas verify: {d}: {len(manifest['shards'])} shards, {size / 1e6:.1f} MB, sizes, headers, "
+                      f"checksums and offsets all match ({time.perf_counter() - started:.1f} s)", flush=True)
+            problems += found
+        if problems:
+            raise EyasError(f"{len(problems)} problem(s) in the shards under '{root}' (listed above); "
+                            "rerun `eyas dump RECIPE` to repair them")
+        return 0
+
+    return guarded(body, args.debug)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,6 +12,10 @@ or, for plain text, `{"id": str, "text": str}`. Sources:
 
 Rows that cannot be read are not dropped silently: `load_rows` returns them counted by
 reason in a `Skips` record, which the prepare stage reports and writes to a file.
+
+Bytes: files are read as UTF-8 (a leading BOM is dropped). A JSONL line that is not UTF-8 is a
+counted skip (`not UTF-8`); a file that is binary (NUL bytes), or a .json document that is not
+UTF-8, is one error naming the file and the offset.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
                   "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
                   "system": "system"}
 OPENAI_ROLES = ("system", "user", "assistant")
+NOT_UTF8 = "not UTF-8"  # skip reason of a JSONL line whose bytes are not UTF-8 text
+BOM = b"\xef\xbb\xbf"
 
 
 @dataclass
@@ -38,12 +44,19 @@ class Skips:
 
     counts: Counter = field(default_factory=Counter)
     examples: dict = field(default_factory=dict)
+    truncated: int = 0  # rows kept, but cut to max_length (not skips; counted beside them)
+    truncated_examples: list = field(default_factory=list)
 
     def add(self, reason: str, row_id: str, detail: str = "") -> None:
         self.counts[reason] += 1
         self.examples.setdefault(reason, [])
         if len(self.examples[reason]) < 20:
             self.examples[reason].append({"id": row_id, "detail": detail[:200]})
+
+    def add_truncated(self, row_id: str, detail: str = "") -> None:
+        self.truncated += 1
+        if len(self.truncated_examples) < 20:
+            self.truncated_examples.append({"id": row_id, "detail": detail[:200]})
 
     @property
     def total(self) -> int:
@@ -101,6 +114,7 @@ def normalize_row(row: Any, row_id: str, fmt: str = "auto") -> dict:
         text = row.get("text")
         if not isinstance(text, str) or not text.strip():
             raise ValueError("'text' is missing or empty")
+        _check_unicode(text, "'text'")
         return {"id": row_id, "text": text}
     key, role_key, content_key = ("conversations", "from", "value") if fmt == "sharegpt" else ("messages", "role", "content")
     turns = row.get(key)
@@ -116,30 +130,73 @@ def normalize_row(row: Any, row_id: str, fmt: str = "auto") -> dict:
             raise ValueError(f"unknown role '{turn[role_key]}'")
         if not isinstance(turn[content_key], str):
             raise ValueError(f"'{content_key}' of a turn is not a string")
+        _check_unicode(turn[content_key], f"'{content_key}' of a turn")
         messages.append({"role": role, "content": turn[content_key]})
     return {"id": row_id, "messages": messages}
 
 
+def _check_unicode(text: str, what: str) -> None:
+    """JSON escapes can smuggle in lone surrogates (\\ud800), which no tokenizer or arrow file takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} holds a lone surrogate (\\u{ord(text[exc.start]):04x}), not valid Unicode") from None
+
+
+def _refuse_binary(path: Path, head: bytes) -> None:
+    nul = head.find(b"\x00")
+    if nul >= 0:
+        raise EyasError(f"data file '{path}' is binary (NUL byte at offset {nul}), not UTF-8 JSON text; give a "
+                        ".jsonl/.json file of rows (convert UTF-16 files to UTF-8)")
+
+
 def _read_file_rows(path: Path, skips: Skips) -> Iterable[tuple[str, Any]]:
-    if path.suffix == ".jsonl":
-        with path.open() as f:
-            for lineno, line in enumerate(f, 1):
+    try:
+        f = path.open("rb")
+    except OSError as exc:
+        raise EyasError(f"data file '{path}' cannot be read ({exc.strerror or exc})") from None
+    with f:
+        _refuse_binary(path, f.read(8192))
+        f.seek(0)
+        if path.suffix == ".jsonl":
+            for lineno, raw in enumerate(f, 1):
+                if lineno == 1 and raw.startswith(BOM):
+                    raw = raw[len(BOM):]
+                row_id = f"{path.name}:{lineno}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    skips.add(NOT_UTF8, row_id, f"byte 0x{raw[exc.start]:02x} at column {exc.start + 1}")
+                    continue
                 if not line.strip():
                     continue
                 try:
-                    yield f"{path.name}:{lineno}", json.loads(line)
+                    yield row_id, json.loads(line)
                 except json.JSONDecodeError as exc:
-                    skips.add("malformed JSON line", f"{path.name}:{lineno}", exc.msg)
-    else:
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise EyasError(f"data file '{path}' is not valid JSON (line {exc.lineno}: {exc.msg}); "
-                            "use a JSON list of rows or JSONL, one row per line") from None
-        if isinstance(data, dict):
-            data = data.get("data") or data.get("rows") or [data]
-        for i, row in enumerate(data):
-            yield f"{path.name}:{i}", row
+                    skips.add("malformed JSON line", row_id, exc.msg)
+            return
+        data = f.read()
+    if data.startswith(BOM):
+        data = data[len(BOM):]
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise EyasError(f"data file '{path}' is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}, "
+                        f"line {line}); save it as UTF-8, or as JSONL, where such a row is skipped and "
+                        "counted") from None
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise EyasError(f"data file '{path}' is not valid JSON (line {exc.lineno}: {exc.msg}); "
+                        "use a JSON list of rows or JSONL, one row per line") from None
+    if isinstance(rows, dict):
+        rows = rows.get("data") or rows.get("rows") or [rows]
+    if not isinstance(rows, list):
+        raise EyasError(f"data file '{path}' holds a JSON {type(rows).__name__}, not a list of rows; "
+                        "use a JSON list of rows or JSONL, one row per line")
+    for i, row in enumerate(rows):
+        yield f"{path.name}:{i}", row
 
 
 def _read_rows(source: str, skips: Skips) -> Iterable[tuple[str, Any]]:

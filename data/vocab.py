@@ -18,6 +18,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save
+
+from eyas.io import atomic_write_bytes
 
 from eyas.errors import EyasError
 
@@ -53,10 +56,6 @@ def build_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tens
 
 def write_vocab(shard_dir: str | Path, counts: torch.Tensor, draft_vocab_size: int) -> dict:
     """Build and save vocab.safetensors; returns a summary for the manifest."""
-    from safetensors.torch import save
-
-    from eyas.data.shards import atomic_write_bytes
-
     d2t, t2d = build_vocab(counts, draft_vocab_size)
     atomic_write_bytes(Path(shard_dir) / VOCAB_FILE, save({"d2t": d2t, "t2d": t2d, "counts": counts.long()}))
     total = int(counts.sum())
@@ -66,8 +65,6 @@ def write_vocab(shard_dir: str | Path, counts: torch.Tensor, draft_vocab_size: i
 
 def load_vocab(shard_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t int64 [Vd], t2d bool [V]) from a dump's vocab.safetensors."""
-    from safetensors.torch import load_file
-
     path = Path(shard_dir) / VOCAB_FILE
     if not path.is_file():
         raise EyasError(f"no draft vocabulary at '{path}'; run `eyas dump RECIPE` (it writes the vocabulary)")

@@ -18,7 +18,8 @@ import platform
 import sys
 from pathlib import Path
 
-from eyas.cli import guarded, stage_parser
+from eyas import stages
+from eyas.cli import stage_main, stage_parser
 from eyas.errors import EyasError
 
 
@@ -36,7 +37,9 @@ def build_parser():
     parser.add_argument("--top-k", dest="top_k")
     parser.add_argument("--max-new-tokens", dest="max_new_tokens")
     parser.add_argument("--max-prompts", dest="max_prompts")
-    parser.add_argument("--out", help="output folder (overrides eval.output)")
+    parser.add_argument("--out", help="output folder for report.json and acceptance.png (default: eval.output, else "
+                        "<run_dir>/eval; with --target/--draft/--prompts/--shapes or sampling flags, "
+                        "<run_dir>/eval/<UTC time> so the run's own report stays)")
     parser.add_argument("--no-baseline", action="store_true", help="do not time the target alone")
     parser.add_argument("--no-progress", action="store_true")
     return parser
@@ -100,11 +103,18 @@ def run(recipe, progress: bool = True, console=None) -> dict:
     from eyas.eval.report import plot, print_report, write_json
     from eyas.eval.runner import encode_prompts, evaluate
     from eyas.eval.tree import parse_shape
-    from eyas.eval.verify import SamplingParams
+    from eyas.decode import SamplingParams
     from eyas.targets import load_target, resolve_target_path
 
     ev = recipe.eval
     shapes = [parse_shape(s) for s in ev.shapes]          # bad input fails before anything loads
+    if ev.engine == "vllm":
+        from eyas.eval.engine_vllm import require_vllm
+
+        require_vllm()
+        if ev.temperature != 0:
+            raise EyasError(f"eval.engine=vllm compares the two decoders at temperature 0; eval.temperature is "
+                            f"{ev.temperature}: set eval.temperature=0")
     params = SamplingParams(ev.temperature, ev.top_p, ev.top_k)
     specs = _draft_specs(recipe)
     run_dir = recipe.run_dir if ev.prompts == "heldout" else None
@@ -112,7 +122,8 @@ def run(recipe, progress: bool = True, console=None) -> dict:
     target, tokenizer = load_target(recipe.target)
     check_against_target(recipe, target.config)
     drafts = [make_draft(s, target, tokenizer, params, target_path=recipe.target.path) for s in specs]
-    encoded, too_long = encode_prompts(prompts, tokenizer, target, ev.max_new_tokens, max(s.max_nodes for s in shapes))
+    encoded, too_long = encode_prompts(prompts, tokenizer, target, ev.max_new_tokens, max(s.max_nodes for s in shapes),
+                                       ev.answer_tokens)
     skipped.update(too_long)
     if not encoded:
         raise EyasError(f"all {len(prompts)} prompts are longer than the target's context allows with "
@@ -142,29 +153,40 @@ def run(recipe, progress: bool = True, console=None) -> dict:
         "recipe": recipe.to_dict(),
     }
     out_dir = Path(ev.output) if ev.output else recipe.run_dir / "eval"
+    if ev.engine == "vllm":
+        from eyas.eval.engine_vllm import engine_eval
+
+        report["vllm"] = engine_eval(specs, shapes, encoded, results, target, tokenizer, recipe.target.path,
+                                     ev.max_new_tokens, out_dir, seed=recipe.run.seed)
     report["files"] = {"json": str(out_dir / "report.json"), "plot": str(out_dir / "acceptance.png")}
     write_json(report, out_dir / "report.json")
     plot(report, out_dir / "acceptance.png")
     save_resolved(recipe, out_dir)
     print_report(report, console)
+    if report.get("vllm"):
+        from eyas.eval.engine_vllm import format_parity
+
+        print(format_parity(report["vllm"]))
     print(f"wrote {out_dir / 'report.json'} and {out_dir / 'acceptance.png'}")
     return report
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    import dataclasses
 
-    def body() -> int:
-        from eyas.config import load_recipe
-
-        recipe_path, overrides = args.recipe, list(args.overrides)
-        if recipe_path and "=" in recipe_path and not Path(recipe_path).is_file():
-            recipe_path, overrides = None, [recipe_path] + overrides  # `eyas eval --target T key=value`
-        recipe = load_recipe(recipe_path, overrides + _flag_overrides(args))
-        run(recipe, progress=not args.no_progress)
+    def body(recipe, args) -> int:
+        adhoc = [o for o in _flag_overrides(args) if not o.startswith("eval.output=")]
+        if adhoc and not recipe.eval.output:
+            # A comparison set up by flags gets a folder of its own; the run's report in <run_dir>/eval stays.
+            stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+            own = dataclasses.replace(recipe.eval, output=str(recipe.run_dir / "eval" / stamp))
+            recipe = dataclasses.replace(recipe, eval=own)
+        inputs = _draft_specs(recipe) + ([recipe.eval.prompts] if recipe.eval.prompts != "heldout" else [])
+        stages.run("eval", recipe, lambda: run(recipe, progress=not args.no_progress), force=args.force,
+                   inputs=inputs)
         return 0
 
-    return guarded(body, args.debug)
+    return stage_main("eval", argv, body, parser=build_parser(), extra_overrides=_flag_overrides)
 
 
 if __name__ == "__main__":

@@ -20,9 +20,11 @@ from dataclasses import dataclass, field
 import torch
 
 from eyas.errors import EyasError
-from eyas.eval.kv import cache_kwarg, check_attention, keep_positions, new_cache, plain_decode, tree_mask
+from eyas.decode import (SamplingParams, cache_kwarg, new_cache, plain_decode, process_logits, sample, seeded_generator,
+                         stop_token_ids, token_chooser)
+from eyas.eval.kv import check_attention, keep_positions, tree_mask
 from eyas.eval.tree import Shape, build_tree
-from eyas.eval.verify import SamplingParams, process_logits, sample, verify_greedy, verify_sampled
+from eyas.eval.verify import verify_greedy, verify_sampled
 
 
 @dataclass
@@ -41,16 +43,6 @@ class DecodeResult:
     @property
     def rounds(self) -> int:
         return len(self.accepted)
-
-
-def eos_ids_of(model, tokenizer=None) -> list[int]:
-    """The target's stop tokens: its generation config's eos ids, else the tokenizer's."""
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is None and tokenizer is not None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        return []
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
 def max_context(model) -> int:
@@ -96,7 +88,7 @@ class SpeculativeDecoder:
         self.draft = draft
         self.shape = shape
         self.params = params
-        self.eos = set(eos_token_ids if eos_token_ids is not None else eos_ids_of(target))
+        self.eos = set(eos_token_ids if eos_token_ids is not None else stop_token_ids(target))
         self.device = target.device
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
@@ -210,18 +202,11 @@ def _cut(tokens: list[int], eos: set[int], limit: int) -> list[int]:
 
 def target_decode(target, prompt_ids, max_new_tokens: int, params: SamplingParams, eos_token_ids: list[int],
                   seed: int = 0) -> list[int]:
-    """The target alone, timed as the eval baseline: a bare KV-cache loop (`eyas.eval.kv.plain_decode`),
+    """The target alone, timed as the eval baseline: a bare KV-cache loop (`eyas.decode.plain_decode`),
     the fastest way this target decodes one sequence here (HF `generate` is about 6% slower per
     token on 2 CPU cores), so a speedup is never flattered by a slow baseline."""
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()[None].to(target.device)
-    generator = torch.Generator(device=target.device)
-    generator.manual_seed(seed)
-
-    def choose(logits: torch.Tensor) -> torch.Tensor:
-        if params.greedy:
-            return logits.argmax(-1)
-        return torch.tensor([sample(process_logits(logits[0], params), generator)], device=logits.device)
-
+    choose = token_chooser(params, seeded_generator(target.device, seed))
     eos = torch.tensor(sorted(eos_token_ids) or [-1], device=target.device)
     tokens = plain_decode(target, prompt, torch.ones_like(prompt), max_new_tokens, eos, choose)[0]
     return _cut(tokens, set(eos_token_ids), max_new_tokens)

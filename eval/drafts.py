@@ -1,6 +1,6 @@
-"""Drafts the decoder can drive, and the protocol they share.
+"""Drafts the decoder can drive, and the protocol they share (`Draft`).
 
-The draft protocol (duck-typed; every draft here implements it):
+The draft protocol:
 
     name: str                      label in tables and plots
     vocab_size: int                size of the logits it returns (the target's vocabulary)
@@ -31,7 +31,7 @@ Drafts here:
 - `MixtureDraft`: q = lam * p + (1 - lam) * point mass on p's least likely token, p the target's
   own sampling distribution (it runs the target as an oracle). Per-token acceptance is
   lam + (1 - lam) * p_min, known in advance: the check for the acceptance bookkeeping.
-- `HeadDraft` (eagle, eagle3, mtp checkpoints): see `load_head_draft`.
+- `HeadDraft` (eagle, eagle3, mtp checkpoints): see `eyas.eval.head_draft.load_head_draft`.
 """
 
 from __future__ import annotations
@@ -39,12 +39,29 @@ from __future__ import annotations
 import copy
 import math
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
+from eyas.decode import SamplingParams, cache_kwarg, new_cache, process_logits
 from eyas.errors import EyasError
-from eyas.eval.kv import additive_mask, cache_kwarg, keep_positions, new_cache
-from eyas.eval.verify import SamplingParams, process_logits
+from eyas.eval.head_draft import load_head_draft
+from eyas.eval.kv import additive_mask, keep_positions
+
+
+class Draft(Protocol):
+    """What the speculative decoder needs of a draft (see the module docstring)."""
+
+    name: str
+    vocab_size: int
+    feature_layers: list[int] | None
+
+    def start(self, prompt_ids: torch.Tensor, root: int, features: torch.Tensor | None) -> torch.Tensor: ...
+
+    def expand(self, parents: list[int], tokens: list[int]) -> torch.Tensor: ...
+
+    def commit(self, kept: list[int], tokens: list[int], root: int, features: torch.Tensor | None
+               ) -> torch.Tensor: ...
 
 
 class LMDraft:
@@ -195,7 +212,7 @@ def make_draft(spec: str, target, target_tokenizer, params: SamplingParams, devi
     `target_path` (the target's path or alias) lets a checkpoint's recorded target identity be checked.
     """
     spec = str(spec).strip()
-    if spec.startswith("truncated:") or spec.startswith("layers:"):
+    if spec.startswith("truncated:"):
         text = spec.partition(":")[2]
         try:
             n = int(text)
@@ -212,7 +229,5 @@ def make_draft(spec: str, target, target_tokenizer, params: SamplingParams, devi
         return MixtureDraft(target, lam, params)
     path = Path(spec).expanduser()
     if path.is_dir():
-        from eyas.eval.head_draft import load_head_draft
-
         return load_head_draft(path, target, target_tokenizer, device, target_path)
     raise EyasError(f"draft {spec!r} is neither an existing directory nor a known draft; give {describe_draft_spec()}")

@@ -30,31 +30,36 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
 
+from eyas.draft.checkpoint import load_draft, read_draft_config
+from eyas.draft.head import DraftHead
 from eyas.errors import EyasError
+from eyas.targets import target_identity
 
 
 class HeadDraft:
-    """A trained head driven through the draft protocol (see `eyas.eval.drafts`)."""
+    """A trained head driven through the draft protocol (`eyas.eval.drafts.Draft`); the shared part.
 
-    def __init__(self, head, name: str):
+    `head_draft(head, name)` picks the adapter for the head's layout: `SharedLayerDraft` (one
+    layer for every step: eagle, eagle3) or `PerStepDraft` (one layer per step: mtp).
+    """
+
+    def __init__(self, head: DraftHead, name: str):
         self.head = head
         self.kind = head.kind
         self.name = name
         cfg = head.config
-        self.vocab_size = int(cfg["vocab_size"])
-        self.mtp_target_feed = self.kind == "mtp" and cfg.get("mtp_feed") == "target"
-        # eagle3 reads the fused layers; eagle and mtp the target's last hidden state (post-norm)
-        self.feature_layers = list(cfg["aux_layers"]) if self.kind == "eagle3" else [-1]
-        self.max_depth = int(cfg["num_layers"]) if self.kind == "mtp" else None
+        self.vocab_size = int(cfg.vocab_size)
+        # the target hidden states the decoder hands over: the fused layers, or the last one (post-norm)
+        self.feature_layers = list(cfg.aux_layers) if head.feature == "aux_hidden" else [-1]
+        self.max_depth = head.max_depth()
         device = next(head.parameters()).device
         self.device = device
         self.target_ids = None
         if head.d2t is not None:
             self.target_ids = head.draft_to_target(torch.arange(head.draft_vocab_size, device=device))
         self.cache = None
-
-    # ---- shared helpers ------------------------------------------------------------------------
 
     def _to_target(self, logits: torch.Tensor) -> torch.Tensor:
         logits = logits.float()
@@ -81,51 +86,22 @@ class HeadDraft:
                 entry.keys = entry.keys[..., :length, :]
                 entry.values = entry.values[..., :length, :]
 
-    # ---- protocol --------------------------------------------------------------------------------
-
-    def start(self, prompt_ids: torch.Tensor, root: int, features: torch.Tensor) -> torch.Tensor:
-        from transformers import DynamicCache
-
+    def _begin(self, prompt_ids: torch.Tensor, root: int, features: torch.Tensor) -> None:
         self.cache = DynamicCache()
         self.tokens = prompt_ids.tolist() + [root]  # x_0 .. x_M (M = root position)
         self.features = self._project(features)     # f_0 .. f_{M-1}
         self.nodes: list[dict] = []
-        if self.kind == "mtp":
-            self.frontier = [0] * self.max_depth    # committed slots per layer
-            self.real_hidden: list[torch.Tensor | None] = [None] * self.max_depth
-            return self._mtp_advance()
+
+
+class SharedLayerDraft(HeadDraft):
+    """eagle / eagle3: one layer (KV layer 0) for every draft step (see the module docstring)."""
+
+    def start(self, prompt_ids: torch.Tensor, root: int, features: torch.Tensor) -> torch.Tensor:
+        self._begin(prompt_ids, root, features)
         self.committed = 0
-        return self._eagle_extend(self.tokens[1:], self.features)
+        return self._extend(self.tokens[1:], self.features)
 
     def expand(self, parents: list[int], tokens: list[int]) -> torch.Tensor:
-        if self.kind == "mtp":
-            return self._mtp_expand(parents, tokens)
-        return self._eagle_expand(parents, tokens)
-
-    def commit(self, kept: list[int], tokens: list[int], root: int, features: torch.Tensor) -> torch.Tensor:
-        new_features = self._project(features)
-        self.nodes = []
-        if self.kind == "mtp":
-            self.tokens += tokens + [root]
-            self.features = torch.cat([self.features, new_features])
-            for layer in range(self.max_depth):
-                self._crop(layer, self.frontier[layer])
-            return self._mtp_advance()
-        self._crop(0, self.committed)
-        self.tokens += tokens + [root]
-        return self._eagle_extend(tokens + [root], new_features)
-
-    # ---- eagle / eagle3 --------------------------------------------------------------------------
-
-    def _eagle_extend(self, tokens: list[int], features: torch.Tensor) -> torch.Tensor:
-        """Step 0 over new committed pairs (f_t, x_{t+1}); returns the last pair's logits."""
-        positions = list(range(self.committed, self.committed + len(tokens)))
-        hidden, logits = self._step(0, tokens, features, positions)
-        self.committed += len(tokens)
-        self.root_hidden = hidden[-1]
-        return self._to_target(logits[-1:])[0]
-
-    def _eagle_expand(self, parents: list[int], tokens: list[int]) -> torch.Tensor:
         first = len(self.nodes)
         for offset, parent in enumerate(parents):
             up = self.nodes[parent] if parent >= 0 else None
@@ -142,11 +118,43 @@ class HeadDraft:
             node["hidden"] = h
         return self._to_target(logits)
 
-    # ---- mtp ---------------------------------------------------------------------------------------
+    def commit(self, kept: list[int], tokens: list[int], root: int, features: torch.Tensor) -> torch.Tensor:
+        new_features = self._project(features)
+        self.nodes = []
+        self._crop(0, self.committed)
+        self.tokens += tokens + [root]
+        return self._extend(tokens + [root], new_features)
 
-    def _mtp_feature(self, layer: int, slots: range, parent_rows: dict | None = None) -> torch.Tensor:
+    def _extend(self, tokens: list[int], features: torch.Tensor) -> torch.Tensor:
+        """Step 0 over new committed pairs (f_t, x_{t+1}); returns the last pair's logits."""
+        positions = list(range(self.committed, self.committed + len(tokens)))
+        hidden, logits = self._step(0, tokens, features, positions)
+        self.committed += len(tokens)
+        self.root_hidden = hidden[-1]
+        return self._to_target(logits[-1:])[0]
+
+
+class PerStepDraft(HeadDraft):
+    """mtp: layer k (KV layer k) for draft step k (see the module docstring)."""
+
+    def start(self, prompt_ids: torch.Tensor, root: int, features: torch.Tensor) -> torch.Tensor:
+        self._begin(prompt_ids, root, features)
+        self.frontier = [0] * self.max_depth    # committed slots per layer
+        self.real_hidden: list[torch.Tensor | None] = [None] * self.max_depth
+        return self._advance()
+
+    def commit(self, kept: list[int], tokens: list[int], root: int, features: torch.Tensor) -> torch.Tensor:
+        new_features = self._project(features)
+        self.nodes = []
+        self.tokens += tokens + [root]
+        self.features = torch.cat([self.features, new_features])
+        for layer in range(self.max_depth):
+            self._crop(layer, self.frontier[layer])
+        return self._advance()
+
+    def _feature(self, layer: int, slots: range, parent_rows: dict | None = None) -> torch.Tensor:
         """Features of `layer` at `slots`: the target's f_s, or layer-1's hidden (committed or the parent's rows)."""
-        if layer == 0 or self.mtp_target_feed:
+        if layer == 0 or not self.head.chains_hidden():
             return self.features[slots.start:slots.stop]
         rows = []
         for s in slots:
@@ -156,14 +164,14 @@ class HeadDraft:
                 rows.append(parent_rows["hidden"][s - parent_rows["first_slot"]])
         return torch.stack(rows)
 
-    def _mtp_advance(self) -> torch.Tensor:
+    def _advance(self) -> torch.Tensor:
         """Each layer k runs over its newly committed slots (token x_{s+k+1} known: s <= M-1-k)."""
         last = len(self.tokens) - 1  # M
         logits0 = None
         for layer in range(self.max_depth):
             slots = range(self.frontier[layer], max(self.frontier[layer], last - layer))
             if len(slots):
-                feats = self._mtp_feature(layer, slots)
+                feats = self._feature(layer, slots)
                 tokens = [self.tokens[s + layer + 1] for s in slots]
                 hidden, logits = self._step(layer, tokens, feats, [s + layer for s in slots])
                 done = self.real_hidden[layer]
@@ -173,7 +181,7 @@ class HeadDraft:
                     logits0 = logits[-1:]
         return self._to_target(logits0)[0]
 
-    def _mtp_expand(self, parents: list[int], tokens: list[int]) -> torch.Tensor:
+    def expand(self, parents: list[int], tokens: list[int]) -> torch.Tensor:
         last = len(self.tokens) - 1
         outs = []
         for parent, token in zip(parents, tokens):
@@ -184,7 +192,7 @@ class HeadDraft:
                                 "cannot be drafted with it")
             path = (up["path"] if up else []) + [token]
             slots = range(max(0, last - depth), last)
-            feats = self._mtp_feature(depth, slots, up)
+            feats = self._feature(depth, slots, up)
             step_tokens = [path[s + depth - last] for s in slots]  # x_{s+d+1} = depth (s+d+1-M) on the path
             before = self.cache.get_seq_length(depth) if depth < len(self.cache.layers) else 0
             n = len(slots)
@@ -196,6 +204,11 @@ class HeadDraft:
             self.nodes.append({"depth": depth, "path": path, "hidden": hidden, "first_slot": slots.start})
             outs.append(logits[-1])
         return self._to_target(torch.stack(outs))
+
+
+def head_draft(head: DraftHead, name: str) -> HeadDraft:
+    """The adapter for a head's layout (one shared layer, or one layer per step)."""
+    return SharedLayerDraft(head, name) if head.shares_layer else PerStepDraft(head, name)
 
 
 def check_head_against_target(config: dict, meta: dict, target, tokenizer, target_path: str | None, where: Path) -> None:
@@ -212,9 +225,7 @@ def check_head_against_target(config: dict, meta: dict, target, tokenizer, targe
         problems.append(f"fused layers {bad_layers} do not exist in a {layers}-layer target")
     saved_identity = meta.get("target_identity") or config.get("target_identity") or ""
     if not problems and saved_identity and target_path is not None and tokenizer is not None:
-        from eyas.targets import load_target_config, target_identity
-
-        identity = target_identity(load_target_config(target_path), tokenizer)
+        identity = target_identity(target.config, tokenizer)
         if identity != saved_identity:
             problems.append(f"target identity {saved_identity} vs this target's {identity} "
                             "(another model, tokenizer or chat template)")
@@ -223,9 +234,7 @@ def check_head_against_target(config: dict, meta: dict, target, tokenizer, targe
 
 
 def load_head_draft(directory: Path, target, tokenizer, device=None, target_path: str | None = None) -> HeadDraft:
-    """Load a trained head from a draft directory (`eyas.train.checkpoint.load_draft`) for this target."""
-    from eyas.train.checkpoint import load_draft, read_draft_config
-
+    """Load a trained head from a draft directory (`eyas.draft.checkpoint.load_draft`) for this target."""
     directory = Path(directory)
     config = read_draft_config(directory)
     check_head_against_target(config, config.get("meta", {}), target, tokenizer, target_path, directory)
@@ -234,4 +243,4 @@ def load_head_draft(directory: Path, target, tokenizer, device=None, target_path
         raise EyasError(f"draft '{directory}': its d2t map does not match its draft vocabulary")
     # `<run>/checkpoints/step_N` is labelled by its run (several runs' drafts compared in one table)
     owner = directory.parent.parent.name if directory.parent.name == "checkpoints" else config["kind"]
-    return HeadDraft(head.eval().requires_grad_(False), f"{owner}:{directory.name}")
+    return head_draft(head.eval().requires_grad_(False), f"{owner}:{directory.name}")

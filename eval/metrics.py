@@ -1,4 +1,4 @@
-"""Acceptance metrics, defined once (DESIGN.md: users confuse alpha with cumulative acceptance).
+"""Acceptance metrics, defined once: users confuse alpha with cumulative acceptance (docs/design.md).
 
 Per verify round the decoder records n = the number of draft tokens accepted, and for each
 depth d whether depth d was *tried* (the accepted node at depth d-1 had children in the tree)

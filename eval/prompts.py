@@ -1,8 +1,10 @@
 """Eval prompts: MT-bench / Spec-Bench JSONL, OpenAI messages, or the recipe's held-out split.
 
 Accepted rows (JSONL, one object per line, or a JSON list of objects):
-  {"turns": ["first user turn", ...], "category": "writing"}   MT-bench / Spec-Bench: the first
-                                                                turn is the prompt
+  {"turns": ["first user turn", ...], "category": "writing"}   MT-bench / Spec-Bench: each turn
+                                                                is a prompt; turn k > 1 follows the
+                                                                target's own greedy answers to the
+                                                                turns before it (as MT-bench runs)
   {"messages": [{"role": "user", "content": "..."}, ...]}      OpenAI: the conversation up to its
                                                                 last user turn
   {"prompt": "..."}                                              a bare user prompt
@@ -14,10 +16,11 @@ Prompts are rendered with the target's chat template and its generation prompt.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eyas.data.prepare import load_prepared
 from eyas.errors import EyasError
 
 
@@ -26,6 +29,15 @@ class Prompt:
     id: str
     category: str
     messages: list[dict]
+    followups: list[str] = field(default_factory=list)  # later user turns, asked after the target's answers
+    turn: int = 1
+
+
+def next_turn(prompt: Prompt, answer: str) -> Prompt:
+    """The prompt of the following turn: this one's messages, the target's answer, the next user turn."""
+    messages = prompt.messages + [{"role": "assistant", "content": answer},
+                                  {"role": "user", "content": prompt.followups[0]}]
+    return Prompt(prompt.id, prompt.category, messages, prompt.followups[1:], prompt.turn + 1)
 
 
 def _until_last_user(messages: list[dict]) -> list[dict] | None:
@@ -41,10 +53,10 @@ def prompt_from_row(row: Any, index: int, default_category: str = "all") -> Prom
         return None
     row_id = str(row.get("question_id", row.get("id", index)))
     category = str(row.get("category") or default_category)
-    messages = None
+    messages, followups = None, []
     turns = row.get("turns")
-    if isinstance(turns, list) and turns and isinstance(turns[0], str) and turns[0].strip():
-        messages = [{"role": "user", "content": turns[0]}]
+    if isinstance(turns, list) and turns and all(isinstance(t, str) and t.strip() for t in turns):
+        messages, followups = [{"role": "user", "content": turns[0]}], list(turns[1:])
     elif isinstance(row.get("messages"), list):
         msgs = row["messages"]
         if all(isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m for m in msgs):
@@ -53,7 +65,7 @@ def prompt_from_row(row: Any, index: int, default_category: str = "all") -> Prom
         messages = [{"role": "user", "content": row["prompt"]}]
     if not messages:
         return None
-    return Prompt(row_id, category, messages)
+    return Prompt(row_id, category, messages, followups)
 
 
 def _read_file(path: Path) -> list[Any]:
@@ -124,20 +136,7 @@ def balanced_first(prompts: list[Prompt], limit: int) -> list[Prompt]:
 
 
 def _heldout_rows(run_dir: str | Path):
-    try:
-        from eyas.data.prepare import load_prepared
-    except ImportError:  # the data stage is not installed: read the split directly
-        load_prepared = None
-    if load_prepared is not None:
-        dataset = load_prepared(run_dir, "heldout")
-    else:
-        from datasets import load_from_disk
-
-        path = Path(run_dir) / "prepared" / "heldout"
-        if not path.is_dir():
-            raise EyasError(f"no prepared data at '{path}'; run `eyas prepare RECIPE` first")
-        dataset = load_from_disk(str(path))
-    for row in dataset:
+    for row in load_prepared(run_dir, "heldout"):
         yield {"id": row.get("id"), "messages": row.get("messages")}
 
 

@@ -1,4 +1,4 @@
-"""The eval report as a terminal table (rich), JSON (the DESIGN.md contract) and a PNG plot."""
+"""The eval report as a terminal table (rich), JSON (report.json, the eval's own contract) and a PNG plot."""
 
 from __future__ import annotations
 
@@ -20,23 +20,42 @@ def _split(time: dict) -> str:
     return "-" if None in parts else "/".join(f"{100 * p:.0f}" for p in parts) + "%"
 
 
-def main_table(report: dict):
+def _table(title: str):
+    """A table without vertical rules: 1 column of space between cells, so 16 columns fit in 120."""
+    from rich import box
     from rich.table import Table
 
+    return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
+                 padding=(0, 1), show_edge=False)
+
+
+def _column(table, name: str, justify: str = "right", wrap: bool = False) -> None:
+    """Headers never shrink below their own width; only label columns wrap, and they fold, never truncate."""
+    table.add_column(name, justify=justify, min_width=len(name), no_wrap=not wrap, overflow="fold")
+
+
+def _breakable(spec: str) -> str:
+    """A shape or label with a space after each comma, so a narrow column wraps it between its parts."""
+    return spec.replace(",", ", ")
+
+
+def main_table(report: dict):
     configs = report["configs"]
     depth = min(max((len(c["overall"]["alpha"]) for c in configs), default=0), MAX_ALPHA_COLUMNS)
     settings = report["settings"]
     title = (f"speculative decoding on {report['target']['name']}: T={settings['temperature']:g}, "
              f"{settings['prompts_used']} prompts x {settings['max_new_tokens']} new tokens")
-    table = Table(title=title, title_justify="left")
-    for name in ("draft", "shape", "tau", "tau(alpha)"):
-        table.add_column(name, justify="left" if name in ("draft", "shape") else "right")
+    table = _table(title)
+    _column(table, "draft", "left", wrap=True)
+    _column(table, "shape", "left", wrap=True)
+    for name in ("tau", "tau(a)"):
+        _column(table, name)
     for d in range(1, depth + 1):
-        table.add_column(f"a{d}", justify="right")
-    for name in ("cum@K", "nodes", "tok/s", "speedup", "draft/target/other"):
-        table.add_column(name, justify="right")
+        _column(table, f"a{d}")
+    for name in ("cum@K", "nodes", "tok/s", "speedup", "d/t/o %"):
+        _column(table, name)
     if settings["temperature"] == 0 and report.get("baseline"):
-        table.add_column("=greedy", justify="right")
+        _column(table, "=greedy")
     base = report.get("baseline")
     if base:
         row = ["target alone", "-", "1.00", "-"] + ["-"] * depth + ["-", "-", _fmt(base["overall"]["tokens_per_s"], 1),
@@ -48,7 +67,7 @@ def main_table(report: dict):
         s = config["overall"]
         alphas = (s["alpha"] + [None] * depth)[:depth]
         cum = next((c for c in reversed(s["cumulative"]) if c is not None), None)
-        row = [config["draft"], config["shape"], _fmt(s["tau"]), _fmt(s["tau_from_alpha"])]
+        row = [config["draft"], _breakable(config["shape"]), _fmt(s["tau"]), _fmt(s["tau_from_alpha"])]
         row += [_fmt(a) for a in alphas]
         row += [_fmt(cum), _fmt(s["mean_tree_nodes"], 1), _fmt(s["tokens_per_s"], 1), _fmt(s["speedup"], 2, "x"),
                 _split(s["time"])]
@@ -60,19 +79,17 @@ def main_table(report: dict):
 
 
 def category_table(report: dict):
-    from rich.table import Table
-
     categories = sorted({cat for c in report["configs"] for cat in c["per_category"]})
-    table = Table(title="per category: tau (speedup)", title_justify="left")
-    table.add_column("draft / shape", no_wrap=True)
+    table = _table("per category: tau (speedup)")
+    _column(table, "draft / shape", "left", wrap=True)
     for cat in categories:
-        table.add_column(cat, justify="right")
+        _column(table, cat)
     for config in report["configs"]:
         cells = []
         for cat in categories:
             s = config["per_category"].get(cat)
             cells.append("-" if s is None else f"{_fmt(s['tau'])} ({_fmt(s['speedup'], 2, 'x')})")
-        table.add_row(config["label"], *cells)
+        table.add_row(_breakable(config["label"]), *cells)
     return table
 
 
@@ -90,9 +107,9 @@ def print_report(report: dict, console=None) -> None:
     skipped = report["settings"].get("skipped") or {}
     if skipped:
         console.print("skipped prompts: " + ", ".join(f"{n} {reason}" for reason, n in skipped.items()))
-    console.print("tau = tokens per target verify incl. the bonus token; a_d = P(accept d | 1..d-1 accepted); "
-                  "cum@K = P(all K accepted); "
-                  "draft/target/other = shares of wall time (other = decoder bookkeeping)")
+    console.print("tau = tokens per target verify incl. the bonus token; tau(a) = tau from the a_d; "
+                  "a_d = P(accept d | 1..d-1 accepted); cum@K = P(all K accepted); "
+                  "d/t/o % = shares of wall time: draft / target / other (decoder bookkeeping)")
 
 
 def write_json(report: dict, path: str | Path) -> Path:

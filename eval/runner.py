@@ -12,18 +12,23 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from tqdm.auto import tqdm
 
-from eyas.eval.decoder import SpeculativeDecoder, eos_ids_of, max_context, target_decode
+from eyas.decode import SamplingParams, stop_token_ids
+from eyas.eval.decoder import SpeculativeDecoder, max_context, target_decode
 from eyas.eval.metrics import BaselineTally, Tally, summarize
-from eyas.eval.prompts import Prompt, render
+from eyas.eval.prompts import Prompt, next_turn, render
 from eyas.eval.tree import Shape
-from eyas.eval.verify import SamplingParams
 
 
 @dataclass
 class EncodedPrompt:
     prompt: Prompt
     ids: list[int]
+
+    @property
+    def turn(self) -> int:
+        return self.prompt.turn
 
 
 @dataclass
@@ -33,24 +38,38 @@ class Config:
     decoder: SpeculativeDecoder
     overall: Tally = field(default_factory=Tally)
     per_category: dict = field(default_factory=dict)
+    per_turn: dict = field(default_factory=dict)
 
     @property
     def label(self) -> str:
         return f"{self.draft.name} {self.shape.spec}"
 
 
-def encode_prompts(prompts: list[Prompt], tokenizer, target, max_new_tokens: int, max_nodes: int
-                   ) -> tuple[list[EncodedPrompt], dict[str, int]]:
-    """Render prompts; those that cannot fit prompt + generation + one verify tree are skipped and counted."""
+def encode_prompts(prompts: list[Prompt], tokenizer, target, max_new_tokens: int, max_nodes: int,
+                   answer_tokens: int = 128) -> tuple[list[EncodedPrompt], dict[str, int]]:
+    """Render prompts, every turn of a multi-turn one; those that cannot fit prompt + generation +
+    one verify tree are skipped and counted (with the later turns of their conversation).
+
+    Turn k > 1 follows the target's own greedy answer (up to `answer_tokens` tokens) to turn k-1,
+    so the draft is measured on the context it meets in a conversation, whatever the eval's
+    sampling settings.
+    """
     limit = max_context(target)
     kept, skipped = [], {}
-    for prompt in prompts:
+    eos = stop_token_ids(target, tokenizer)
+    pending = list(prompts)
+    while pending:
+        prompt = pending.pop(0)
         ids = render(prompt, tokenizer)
-        if len(ids) + max_new_tokens + max_nodes + 1 > limit:
+        if len(ids) + max(max_new_tokens, answer_tokens if prompt.followups else 0) + max_nodes + 1 > limit:
             reason = f"longer than the context ({limit} tokens) with {max_new_tokens} new tokens"
-            skipped[reason] = skipped.get(reason, 0) + 1
+            skipped[reason] = skipped.get(reason, 0) + 1 + len(prompt.followups)
             continue
         kept.append(EncodedPrompt(prompt, ids))
+        if prompt.followups:
+            answer = target_decode(target, ids, answer_tokens, SamplingParams(), eos)
+            text = tokenizer.decode([t for t in answer if t not in eos], skip_special_tokens=True).strip()
+            pending.append(next_turn(prompt, text))
     return kept, skipped
 
 
@@ -64,11 +83,9 @@ def evaluate(target, tokenizer, drafts: list, shapes: list[Shape], prompts: list
              params: SamplingParams, max_new_tokens: int, seed: int = 0, baseline: bool = True,
              progress: bool = True) -> dict:
     """Decode every prompt with every draft x shape (and the target alone); return summaries."""
-    from tqdm.auto import tqdm
-
-    eos = eos_ids_of(target, tokenizer)
+    eos = stop_token_ids(target, tokenizer)
     configs = [Config(d, s, SpeculativeDecoder(target, d, s, params, eos, seed=seed)) for d in drafts for s in shapes]
-    base_all, base_cat = BaselineTally(), {}
+    base_all, base_cat, base_turn = BaselineTally(), {}, {}
     if prompts:  # untimed warm-up of every path (first-call allocations, kernel selection)
         target_decode(target, prompts[0].ids, min(8, max_new_tokens), params, eos, seed)
         for config in configs:
@@ -84,30 +101,33 @@ def evaluate(target, tokenizer, drafts: list, shapes: list[Shape], prompts: list
             seconds = _clock(target.device) - start
             base_all.add(len(reference), seconds)
             base_cat.setdefault(category, BaselineTally()).add(len(reference), seconds)
+            base_turn.setdefault(item.turn, BaselineTally()).add(len(reference), seconds)
             bar.update(1)
         for config in configs:
             result = config.decoder.generate(item.ids, max_new_tokens)
             ref = reference if (params.greedy and reference is not None) else None
             config.overall.add(result, ref)
             config.per_category.setdefault(category, Tally()).add(result, ref)
+            config.per_turn.setdefault(item.turn, Tally()).add(result, ref)
             bar.update(1)
         if configs:
             bar.set_postfix(tau=f"{1 + configs[0].overall.accepted / max(configs[0].overall.rounds, 1):.2f}")
     bar.close()
     return {
-        "baseline": _baseline_summary(base_all, base_cat) if baseline else None,
-        "configs": [_config_summary(c, base_all if baseline else None, base_cat) for c in configs],
+        "baseline": _baseline_summary(base_all, base_cat, base_turn) if baseline else None,
+        "configs": [_config_summary(c, base_all if baseline else None, base_cat, base_turn) for c in configs],
     }
 
 
-def _baseline_summary(overall: BaselineTally, per_category: dict) -> dict:
+def _baseline_summary(overall: BaselineTally, per_category: dict, per_turn: dict) -> dict:
     def one(t: BaselineTally) -> dict:
         return {"prompts": t.prompts, "tokens": t.tokens, "seconds": t.seconds, "tokens_per_s": t.tokens_per_s}
 
-    return {"overall": one(overall), "per_category": {k: one(v) for k, v in sorted(per_category.items())}}
+    return {"overall": one(overall), "per_category": {k: one(v) for k, v in sorted(per_category.items())},
+            "per_turn": {str(k): one(v) for k, v in sorted(per_turn.items())}}
 
 
-def _config_summary(config: Config, baseline: BaselineTally | None, base_cat: dict) -> dict:
+def _config_summary(config: Config, baseline: BaselineTally | None, base_cat: dict, base_turn: dict) -> dict:
     depth, chain = config.shape.depth, config.shape.kind == "chain"
     return {
         "draft": config.draft.name,
@@ -117,5 +137,9 @@ def _config_summary(config: Config, baseline: BaselineTally | None, base_cat: di
         "per_category": {
             cat: summarize(t, depth, chain, base_cat.get(cat) if baseline else None)
             for cat, t in sorted(config.per_category.items())
+        },
+        "per_turn": {
+            str(turn): summarize(t, depth, chain, base_turn.get(turn) if baseline else None)
+            for turn, t in sorted(config.per_turn.items())
         },
     }

@@ -23,7 +23,8 @@ from typing import Callable
 import torch
 
 from eyas.errors import EyasError
-from eyas.eval.verify import SamplingParams, draw_candidates, process_logits
+from eyas.decode import SamplingParams, process_logits
+from eyas.eval.verify import draw_candidates
 
 SHAPE_HELP = "use chain:K, tree:[[0],[1],[0,0],...] or dynamic:depth=D,topk=K,nodes=N"
 

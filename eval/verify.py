@@ -1,4 +1,4 @@
-"""Sampling rules shared by target and draft, candidate drawing, and exact tree verification.
+"""Candidate drawing and exact tree verification (the sampling rules live in `eyas.decode`).
 
 Why these rules keep the output exact:
 
@@ -24,78 +24,9 @@ Why these rules keep the output exact:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from eyas.errors import EyasError
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How tokens are drawn; the same object shapes target and draft distributions."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-
-    def __post_init__(self) -> None:
-        t = self.temperature
-        if not isinstance(t, (int, float)) or t != t or t < 0 or t == float("inf"):
-            raise EyasError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
-        if not 0 < self.top_p <= 1:
-            raise EyasError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise EyasError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-
-NUCLEUS_FIRST = 256  # top-p looks at this many best tokens first; a full sort only when they hold < top_p
-
-
-def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Logits [..., V] -> sampling probabilities (float32) after temperature, top-k, top-p.
-
-    top-k keeps the k best tokens; top-p then keeps the smallest prefix (best first) whose mass
-    reaches top_p (the first token is always kept). The same function shapes p and q.
-    """
-    x = logits.float() / params.temperature
-    vocab = x.shape[-1]
-    use_top_k = 0 < params.top_k < vocab
-    if not use_top_k and params.top_p >= 1.0:
-        return x.softmax(-1)
-    kept_set = params.top_k if use_top_k else vocab
-    if params.top_p < 1.0 and kept_set > NUCLEUS_FIRST:
-        # fast path: the nucleus usually lies within the best few hundred tokens; exact when it does
-        values, order = x.topk(NUCLEUS_FIRST, dim=-1)
-        pool = x.topk(kept_set, dim=-1).values if use_top_k else x
-        probs = (values - pool.logsumexp(-1, keepdim=True)).exp()
-        if bool((probs.sum(-1) >= params.top_p).all()):
-            return _scatter_kept(x, values, order, probs, params.top_p)
-    values, order = x.topk(kept_set, dim=-1)  # sorted, best first
-    probs = values.softmax(-1)
-    return _scatter_kept(x, values, order, probs, params.top_p)
-
-
-def _scatter_kept(x: torch.Tensor, values: torch.Tensor, order: torch.Tensor, probs: torch.Tensor,
-                  top_p: float) -> torch.Tensor:
-    """Softmax over the kept candidates (best first), every other token at probability 0."""
-    if top_p < 1.0:
-        values = values.masked_fill((probs.cumsum(-1) - probs) >= top_p, float("-inf"))
-    return torch.full_like(x, float("-inf")).scatter_(-1, order, values).softmax(-1)
-
-
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One draw from a probability vector (inverse CDF; cheaper than torch.multinomial per call)."""
-    cdf = probs.cumsum(-1)
-    u = torch.rand((1,), generator=generator, device=probs.device, dtype=cdf.dtype) * cdf[-1]
-    index = int(torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1).item())
-    if probs[index] <= 0:  # u landed on the float rounding at the very top: take the last token with mass
-        index = int(torch.nonzero(probs > 0)[-1].item())
-    return index
+from eyas.decode import SamplingParams, process_logits, sample
 
 
 def draw_candidates(logits: torch.Tensor, count: int, params: SamplingParams,

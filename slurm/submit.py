@@ -34,8 +34,8 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from eyas.cli import guarded, stage_parser
-from eyas.config import Recipe, load_recipe, save_resolved
+from eyas.cli import stage_main, stage_parser
+from eyas.config import Recipe, save_resolved
 from eyas.errors import EyasError
 
 ORDER = ("prepare", "dump", "train", "eval", "export")
@@ -76,7 +76,8 @@ def parse_stages(spec: str, recipe: Recipe) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = stage_parser("eyas submit", "render the SLURM templates for a recipe's stages and submit them")
+    parser = stage_parser("eyas submit", "render the SLURM templates for a recipe's stages and submit them",
+                          force=False)
     parser.add_argument("--stage", default="all",
                         help="prepare, dump, train, eval, export, a comma list, or all (chained with afterok)")
     parser.add_argument("--nodes", type=int, default=1, help="training nodes (one launcher per node)")
@@ -98,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="accelerate config file for --launcher accelerate (see recipes/accelerate/)")
     parser.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
                         help="extra sbatch option for every job, e.g. --sbatch-arg=--qos=high (repeatable)")
-    parser.add_argument("--dry-run", action="store_true", help="write the scripts and print the sbatch commands, submit nothing")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="write the scripts and print the sbatch commands, submit nothing")
     return parser
 
 
@@ -113,7 +115,7 @@ class Plan:
     cpus_per_task: int
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "Plan":
+    def from_args(cls, args: argparse.Namespace) -> Plan:
         for name in ("nodes",):
             if getattr(args, name) < 1:
                 raise EyasError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -172,7 +174,8 @@ def launch_args(args: argparse.Namespace, plan: Plan, recipe_path: Path) -> tupl
         if args.accelerate_config:
             config = Path(args.accelerate_config).resolve()
             if not config.is_file():
-                raise EyasError(f"--accelerate-config '{args.accelerate_config}' does not exist; see recipes/accelerate/")
+                raise EyasError(f"--accelerate-config '{args.accelerate_config}' does not exist; "
+                                "see recipes/accelerate/")
             rest += ["--config_file", shlex.quote(str(config))]
         rest += ["--num_machines", str(plan.nodes), "--num_processes", str(plan.nodes * plan.procs_per_node),
                  "--main_process_ip", "${MASTER_ADDR}", "--main_process_port", "${MASTER_PORT}"]
@@ -216,7 +219,8 @@ def gpu_request(stage: str, plan: Plan, recipe: Recipe) -> str:
         return ""
     if stage == "train":
         return f"--gpus-per-node={plan.gpus_per_node}"
-    if stage in ("dump", "eval") or (stage == "prepare" and recipe.data.regenerate and not recipe.data.regenerate_endpoint):
+    regenerates_here = recipe.data.regenerate and not recipe.data.regenerate_endpoint
+    if stage in ("dump", "eval") or (stage == "prepare" and regenerates_here):
         return "--gpus=1"
     return ""
 
@@ -227,8 +231,13 @@ def template_names(stage: str) -> list[str]:
 
 def write_resolved_recipe(recipe: Recipe, slurm_dir: Path) -> Path:
     """The recipe the jobs read: every key resolved, the run directory made absolute."""
-    absolute = dataclasses.replace(recipe, run=dataclasses.replace(recipe.run, output_dir=str(Path(recipe.run.output_dir).resolve())))
-    return save_resolved(absolute, slurm_dir, "recipe.yaml")
+    return save_resolved(_absolute(recipe), slurm_dir, "recipe.yaml")
+
+
+def _absolute(recipe: Recipe) -> Recipe:
+    """The recipe with its run directory made absolute (jobs do not depend on the submit directory)."""
+    return dataclasses.replace(recipe, run=dataclasses.replace(recipe.run,
+                                                               output_dir=str(Path(recipe.run.output_dir).resolve())))
 
 
 def sbatch(script: Path, dependency: str | None) -> str:
@@ -246,7 +255,7 @@ def submit(recipe: Recipe, args: argparse.Namespace) -> dict:
     """Render (and unless --dry-run, submit) every job of the requested stages; returns {job: id}."""
     plan = Plan.from_args(args)
     stages = parse_stages(args.stage, recipe)
-    recipe = dataclasses.replace(recipe, run=dataclasses.replace(recipe.run, output_dir=str(Path(recipe.run.output_dir).resolve())))
+    recipe = _absolute(recipe)
     slurm_dir = recipe.run_dir / "slurm"
     (slurm_dir / "logs").mkdir(parents=True, exist_ok=True)
     recipe_path = write_resolved_recipe(recipe, slurm_dir)
@@ -278,15 +287,11 @@ def submit(recipe: Recipe, args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_intermixed_args(argv)
-
-    def body() -> int:
-        recipe = load_recipe(args.recipe, args.overrides)
+    def body(recipe: Recipe, args: argparse.Namespace) -> int:
         submit(recipe, args)
         return 0
 
-    return guarded(body, args.debug)
+    return stage_main("submit", argv, body, parser=build_parser())
 
 
 if __name__ == "__main__":

@@ -9,7 +9,14 @@ import pytest
 
 from eyas.config import load_recipe
 from eyas.data.prepare import (
-    NO_ASSISTANT, NOTHING_LEFT, TEMPLATE_ERROR, TOO_LONG, has_generation_markers, load_prepared, main, prepare,
+    NO_ASSISTANT,
+    NOTHING_LEFT,
+    TEMPLATE_ERROR,
+    TOO_LONG,
+    has_generation_markers,
+    load_prepared,
+    main,
+    prepare,
     tokenize_conversation,
 )
 from eyas.errors import EyasError
@@ -26,14 +33,23 @@ QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assista
 
 
 @pytest.fixture(scope="module")
-def smol_tokenizer(smollm2_dir):
-    from transformers import AutoTokenizer
+def smol_tokenizer():
+    """A byte-level BPE built in code with ChatML's special tokens (as SmolLM2's and Qwen's tokenizers have).
 
-    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    The golden renders below are the published templates' own text; the loss masks are checked
+    against the assistant turns tokenised on their own, so no particular vocabulary is assumed.
+    """
+    from fixtures import build_tokenizer
+
+    tok = build_tokenizer()
     # Llama-3 header tokens, so the Llama-3.1 template's markers are single special tokens as in Llama-3.
     tok.add_special_tokens({"additional_special_tokens": ["<|begin_of_text|>", "<|start_header_id|>",
                                                          "<|end_header_id|>", "<|eot_id|>"]})
     return tok
+
+
+def _n_tokens(tok, text: str) -> int:
+    return len(tok(text, add_special_tokens=False)["input_ids"])
 
 
 def _with_template(tokenizer, name: str):
@@ -65,7 +81,9 @@ def test_chatml_smollm2_golden(smol_tokenizer):
         "<|im_start|>assistant\n Why not.\n<|im_end|>\n"
     )
     assert _runs(tok, ids, mask) == ["Hello! How can I help?<|im_end|>", " Why not.\n<|im_end|>"]
-    assert (len(ids), sum(mask)) == (61, 13)
+    # Every token is the template's text tokenised as a whole; the mask holds each reply and its <|im_end|>.
+    assert len(ids) == _n_tokens(tok, tok.decode(ids))
+    assert sum(mask) == _n_tokens(tok, "Hello! How can I help?") + _n_tokens(tok, " Why not.\n") + 2
     # The template's own default system prompt is never trained on.
     assert _runs(tok, ids, mask, 0)[0].startswith(f"<|im_start|>system\n{SMOL_SYSTEM}")
 
@@ -74,7 +92,8 @@ def test_chatml_qwen25_default_system_prompt_golden(smol_tokenizer):
     tok = _with_template(smol_tokenizer, "qwen2.5")
     ids, mask = tokenize_conversation(tok, CONVERSATION)
     unmasked = _runs(tok, ids, mask, 0)
-    assert unmasked[0] == f"<|im_start|>system\n{QWEN_SYSTEM}<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+    assert unmasked[0] == (f"<|im_start|>system\n{QWEN_SYSTEM}<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
+                           "<|im_start|>assistant\n")
     assert _runs(tok, ids, mask) == ["Hello! How can I help?<|im_end|>", " Why not.\n<|im_end|>"]
     assert unmasked[-1] == "\n"  # the newline after the last <|im_end|> is template glue, not the assistant's
     # An explicit system prompt replaces the default and stays unmasked.
@@ -89,7 +108,8 @@ def test_llama31_golden(smol_tokenizer):
     ids, mask = tokenize_conversation(tok, [{"role": "system", "content": "You are terse."}] + CONVERSATION)
     assert tok.decode(ids) == (
         "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\n"
-        "Today Date: 26 Jul 2024\n\nYou are terse.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>"
+        "Today Date: 26 Jul 2024\n\nYou are terse.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>"
         "<|start_header_id|>assistant<|end_header_id|>\n\nHello! How can I help?<|eot_id|>"
         "<|start_header_id|>user<|end_header_id|>\n\nTell me a joke.<|eot_id|>"
         "<|start_header_id|>assistant<|end_header_id|>\n\nWhy not.<|eot_id|>"
@@ -143,7 +163,8 @@ def test_skips_counted_by_reason_and_listed(tmp_path, tiny_llama_dir, capsys):
         {"id": "no-assistant", "messages": [{"role": "user", "content": "anyone?"}]},
         {"id": "empty", "messages": []},
         {"id": "blank", "messages": [{"role": "user", "content": "  "}, {"role": "assistant", "content": ""}]},
-        {"id": "too-long", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": long_answer}]},
+        {"id": "too-long", "messages": [{"role": "user", "content": "q"},
+                                        {"role": "assistant", "content": long_answer}]},
         {"id": "bad-role", "messages": [{"role": "wizard", "content": "x"}]},
         {"id": "twice", "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
                                      {"role": "assistant", "content": "c"}]},
@@ -168,7 +189,8 @@ def test_skips_counted_by_reason_and_listed(tmp_path, tiny_llama_dir, capsys):
     assert skipped["counts"] == {"malformed JSON line": 1, "malformed row": 1, NO_ASSISTANT: 1, "empty conversation": 2,
                                  TOO_LONG: 1, TEMPLATE_ERROR: 1}
     assert skipped["total"] == 7
-    assert "raise_exception" not in json.dumps(skipped) and "alternate" in json.dumps(skipped["examples"][TEMPLATE_ERROR])
+    assert "raise_exception" not in json.dumps(skipped)
+    assert "alternate" in json.dumps(skipped["examples"][TEMPLATE_ERROR])
     assert "skipped 7 rows" in printed and "1 longer than max_length" in printed
     train = load_prepared(tmp_path / "runs/default", "train")
     assert sorted(train["id"]) == ["ok", "plain", "sharegpt"]
@@ -182,7 +204,8 @@ def test_skips_counted_by_reason_and_listed(tmp_path, tiny_llama_dir, capsys):
 def test_truncate_keeps_prefix_and_counts_empty_results(tmp_path, tiny_llama_dir):
     rows = [
         {"id": "long", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "word " * 200}]},
-        {"id": "late", "messages": [{"role": "user", "content": "question " * 200}, {"role": "assistant", "content": "a"}]},
+        {"id": "late", "messages": [{"role": "user", "content": "question " * 200},
+                                    {"role": "assistant", "content": "a"}]},
     ]
     source = _write_jsonl(tmp_path / "rows.jsonl", rows)
     recipe = _recipe(tmp_path, tiny_llama_dir, source, "data.max_length=48", "data.overflow=truncate")

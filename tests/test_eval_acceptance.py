@@ -7,7 +7,7 @@ import torch
 from eyas.eval.decoder import SpeculativeDecoder
 from eyas.eval.drafts import MixtureDraft
 from eyas.eval.tree import parse_shape
-from eyas.eval.verify import SamplingParams
+from eyas.decode import SamplingParams
 
 from test_eval_exact import VOCAB, tiny_vocab_target
 

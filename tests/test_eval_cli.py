@@ -49,12 +49,13 @@ def test_several_drafts_and_shapes_in_one_table_json_and_plot(tmp_path, tiny_lla
     assert [c["label"] for c in report["configs"]] == [
         "truncated:2 chain:3", "truncated:2 dynamic:depth=3,topk=2,nodes=6",
         "truncated:6 chain:3", "truncated:6 dynamic:depth=3,topk=2,nodes=6"]
-    assert report["settings"]["prompts_used"] == 4
+    assert report["settings"]["prompts_used"] == 5  # 4 conversations, question 81 with its second turn
     assert report["settings"]["skipped"] == {"no user prompt in row": 1}
     for config in report["configs"]:
         s = config["overall"]
         assert len(s["alpha"]) == 3 and len(s["cumulative"]) == 3
-        assert s["greedy_match"] == {"matched": 4, "compared": 4}   # T=0: identical to the target
+        assert s["greedy_match"] == {"matched": 5, "compared": 5}   # T=0: identical to the target
+        assert set(config["per_turn"]) == {"1", "2"} and config["per_turn"]["2"]["prompts"] == 1
         assert set(config["per_category"]) == {"writing", "coding", "qa"}
         assert s["speedup"] is not None and s["baseline_tokens_per_s"] > 0
         if config["shape"] == "chain:3":  # for a chain, tau equals the tau predicted from the alphas
@@ -189,3 +190,26 @@ def test_max_prompts_keeps_every_category(tmp_path):
     prompts, _ = load_prompts(str(path), max_prompts=4)
     assert [(p.category, p.messages[0]["content"]) for p in prompts] == [("a", "q0"), ("b", "q3"), ("c", "q5"), ("a", "q1")]
     assert len(load_prompts(str(path), max_prompts=0)[0]) == 6
+
+
+def test_second_turn_follows_the_targets_own_greedy_answer(tiny_llama_dir):
+    """MT-bench style: turn 2 is asked after the target's greedy answer to turn 1."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eyas.decode import SamplingParams, stop_token_ids
+    from eyas.eval.decoder import target_generate
+    from eyas.eval.prompts import render
+    from eyas.eval.runner import encode_prompts
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    prompt = prompt_from_row({"id": "c1", "category": "chat", "turns": ["Tell me a story.", "Make it shorter."]}, 0)
+    encoded, skipped = encode_prompts([prompt], tokenizer, target, max_new_tokens=8, max_nodes=4, answer_tokens=10)
+    assert skipped == {} and [e.turn for e in encoded] == [1, 2]
+    eos = stop_token_ids(target, tokenizer)
+    answer = target_generate(target, encoded[0].ids, 10, SamplingParams(), eos)
+    text = tokenizer.decode([t for t in answer if t not in eos], skip_special_tokens=True).strip()
+    second = encoded[1].prompt
+    assert [m["role"] for m in second.messages] == ["user", "assistant", "user"]
+    assert second.messages[1]["content"] == text and second.messages[2]["content"] == "Make it shorter."
+    assert encoded[1].ids == render(second, tokenizer)

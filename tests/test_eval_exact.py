@@ -23,7 +23,8 @@ import torch
 from eyas.eval import verify as verify_mod
 from eyas.eval.drafts import truncated_target
 from eyas.eval.tree import build_tree, parse_shape
-from eyas.eval.verify import SamplingParams, process_logits, verify_sampled
+from eyas.decode import SamplingParams, process_logits
+from eyas.eval.verify import verify_sampled
 
 torch.set_num_threads(1)
 VOCAB = 16

@@ -3,7 +3,7 @@ rejection over siblings); method and tables in test_eval_exact.py. With top-k/to
 
 from __future__ import annotations
 
-from eyas.eval.verify import SamplingParams
+from eyas.decode import SamplingParams
 
 from test_eval_exact import check_exact, tables  # noqa: F401  (the module-scoped tables fixture)
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eyas.eval.decoder import SpeculativeDecoder, eos_ids_of, target_generate
+from eyas.eval.decoder import SpeculativeDecoder, target_generate
 from eyas.eval.drafts import LMDraft, truncated_target
 from eyas.eval.tree import parse_shape
-from eyas.eval.verify import SamplingParams
+from eyas.decode import SamplingParams, stop_token_ids
 
 from fixtures import build_tiny_target
 
@@ -44,7 +44,7 @@ def prompts(vocab: int) -> list[list[int]]:
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_greedy_output_equals_target_greedy(family, tiny_llama_dir, tiny_qwen2_dir, other_model):
     target = load(tiny_llama_dir if family == "llama" else tiny_qwen2_dir)
-    eos = eos_ids_of(target)
+    eos = stop_token_ids(target)
     cases = prompts(target.config.vocab_size)
     references = [target_generate(target, p, new, GREEDY, eos) for p, (_, new) in zip(cases, LENGTHS)]
     drafts = [LMDraft(truncated_target(target, target.config.num_hidden_layers), "copy"),
@@ -74,7 +74,7 @@ def test_the_timed_baseline_is_the_targets_own_greedy_decode(tiny_llama_dir):
     from eyas.eval.decoder import target_decode
 
     target = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
-    eos = eos_ids_of(target)
+    eos = stop_token_ids(target)
     for prompt in ([1, 5, 9, 13], [7] * 30, [3, 100, 42]):
         assert target_decode(target, prompt, 20, GREEDY, eos) == target_generate(target, prompt, 20, GREEDY, eos)
     stop = target_generate(target, [1, 5, 9, 13], 20, GREEDY, eos)[4]  # an EOS id the model does emit

@@ -15,13 +15,14 @@ import torch
 
 from eyas.config import DraftConfig, default_layers
 from eyas.errors import EyasError
-from eyas.eval.decoder import SpeculativeDecoder, eos_ids_of, target_generate
+from eyas.eval.decoder import SpeculativeDecoder, target_generate
 from eyas.eval.head_draft import load_head_draft
 from eyas.eval.tree import parse_shape
-from eyas.eval.verify import SamplingParams
+from eyas.decode import SamplingParams, stop_token_ids
 from eyas.targets import load_target_config, target_identity
-from eyas.train.checkpoint import save_draft
-from eyas.train.heads import TTTCache, build_head
+from eyas.draft.blocks import TTTCache
+from eyas.draft.checkpoint import save_draft
+from eyas.draft.registry import build_head
 
 torch.set_num_threads(1)
 GREEDY = SamplingParams(0.0)
@@ -104,7 +105,7 @@ def test_greedy_with_heads_equals_target_greedy(tmp_path, tiny_qwen2_dir, kind, 
     target, tokenizer = load(tiny_qwen2_dir)
     ckpt = make_checkpoint(tmp_path / "ckpt", tiny_qwen2_dir, kind, feed, reduced)
     draft = load_head_draft(ckpt, target, tokenizer, target_path=str(tiny_qwen2_dir))
-    eos = eos_ids_of(target)
+    eos = stop_token_ids(target)
     generator = torch.Generator().manual_seed(2)
     shapes = ["chain:3", "tree:[[0],[1],[0,0],[1,0],[0,0,0]]", "dynamic:depth=3,topk=3,nodes=8"]
     for n_prompt, n_new in ((5, 20), (23, 31)):
@@ -126,4 +127,4 @@ def test_mtp_deeper_than_its_layers_is_refused(tmp_path, tiny_llama_dir):
     target, tokenizer = load(tiny_llama_dir)
     draft = load_head_draft(make_checkpoint(tmp_path / "c", tiny_llama_dir, "mtp"), target, tokenizer)
     with pytest.raises(EyasError, match="drafts at most 4 tokens deep"):
-        SpeculativeDecoder(target, draft, parse_shape("chain:5"), GREEDY, eos_ids_of(target))
+        SpeculativeDecoder(target, draft, parse_shape("chain:5"), GREEDY, stop_token_ids(target))

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eyas.eval.decoder import SpeculativeDecoder, eos_ids_of, target_generate
+from eyas.eval.decoder import SpeculativeDecoder, target_generate
 from eyas.eval.drafts import LMDraft, truncated_target
 from eyas.eval.tree import parse_shape
-from eyas.eval.verify import SamplingParams
+from eyas.decode import SamplingParams, stop_token_ids
 
 GREEDY = SamplingParams(0.0)
 PROMPTS = ["Write a haiku about autumn leaves.", "How do I reverse a list in Python?",
@@ -22,7 +22,7 @@ def test_smollm2_greedy_speculative_equals_generate(smollm2_dir):
 
     torch.set_num_threads(1)
     target, tokenizer = load_target(TargetConfig(path=str(smollm2_dir)))
-    eos = eos_ids_of(target, tokenizer)
+    eos = stop_token_ids(target, tokenizer)
     # 24 of 30 layers agrees often (long accepted paths, pruning); 4 layers rarely (rejections)
     setups = [(LMDraft(truncated_target(target, 24), "truncated:24"), "chain:3"),
               (LMDraft(truncated_target(target, 24), "truncated:24"), "tree:[[0],[1],[0,0],[1,0],[0,0,0]]"),

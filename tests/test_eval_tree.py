@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from eyas.eval.kv import cache_kwarg, keep_positions, new_cache, tree_mask
+from eyas.decode import cache_kwarg, new_cache
+from eyas.eval.kv import keep_positions, tree_mask
 from eyas.eval.tree import build_tree, new_tree, parse_shape
-from eyas.eval.verify import SamplingParams
+from eyas.decode import SamplingParams
 
 torch.set_num_threads(1)
 

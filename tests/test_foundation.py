@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -102,10 +101,14 @@ def test_missing_package_names_the_install_command(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_alias_answers_sensibly_and_loads_from_cache(smollm2_dir):
-    t0 = time.perf_counter()
+def test_smollm2_alias_answers_sensibly_and_loads_from_cache(smollm2_dir, monkeypatch):
+    import eyas.targets
+
+    def no_second_conversion(out):
+        raise AssertionError(f"the alias was converted again into {out}; it must load from the safetensors cache")
+
+    monkeypatch.setattr(eyas.targets, "_convert_smollm2", no_second_conversion)
     model, tok = load_target(TargetConfig(), device=torch.device("cpu"))
-    assert time.perf_counter() - t0 < 15, "the second load must come from the safetensors cache"
     assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_hidden_layers == 30
     enc = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                   add_generation_prompt=True, return_tensors="pt", return_dict=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eyas import quickstart
+from eyas import quickstart, stages
 from eyas.config import load_recipe
 
 RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
@@ -36,10 +36,8 @@ def test_mtp_recipe_has_three_steps():
     assert recipe.draft.kind == "mtp" and recipe.draft.num_steps == 3 and recipe.train.ttt_steps == 3
 
 
-def test_quickstart_recipe_is_the_packaged_one():
-    packaged = quickstart.packaged_recipe()
-    assert packaged.read_text() == (Path(__file__).parent.parent / "recipes" / "quickstart.yaml").read_text()
-    recipe = load_recipe(packaged)
+def test_packaged_quickstart_recipe_runs_the_embedded_default():
+    recipe = load_recipe(quickstart.packaged_recipe())
     assert recipe.target.path == "smollm2-135m-instruct" and recipe.data.source == "chitchat"
     assert recipe.run_dir == Path("runs") / "quickstart"
 
@@ -57,36 +55,61 @@ def _tiny_recipe(tmp_path: Path, target: Path) -> Path:
     return path
 
 
-def test_quickstart_runs_every_stage_then_resumes(tmp_path, tiny_llama_dir, capsys):
+def test_quickstart_runs_every_stage_then_resumes(tmp_path, tiny_llama_dir, capsys, monkeypatch):
     recipe = _tiny_recipe(tmp_path, tiny_llama_dir)
     assert quickstart.main([str(recipe)]) == 0
     out = capsys.readouterr().out
     for index, stage in enumerate(quickstart.STAGES, start=1):
         assert f"[{index}/6] {stage}: done in" in out
+    assert out.count("speculative decoding on ") == 1  # the acceptance table, once, at the end
     run_dir = tmp_path / "runs" / "qs-tiny"
     summary = json.loads((run_dir / "quickstart.json").read_text())
     assert set(summary["stages"]) == set(quickstart.STAGES)
-    assert not any(s["skipped"] for s in summary["stages"].values())
+    assert not any(s["skipped"] for s in summary["stages"].values()) and summary["history"] == []
     report = json.loads((run_dir / "eval" / "report.json").read_text())
     assert Path(summary["files"]["plot"]).is_file() and Path(summary["files"]["report"]).is_file()
     assert (run_dir / "export" / "sglang" / "config.json").is_file()
     assert report["settings"]["drafts"] == [summary["files"]["checkpoint"]]
     assert "tau" in out and f"acceptance plot:   {summary['files']['plot']}" in out
+    # The run's own recipe, the one error messages and the summary point to, is there and is this run's.
+    assert load_recipe(run_dir / "recipe.yaml") == load_recipe(recipe)
     steps = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
     assert steps[-1] == "step_00000006"
     weights = (run_dir / "checkpoints" / "step_00000006" / "model.safetensors").read_bytes()
 
-    # Rerun: nothing is redone; training finds its last step and returns; eval is reused.
+    # Rerun: every stage is current, so none runs and the target is never loaded.
+    import eyas.targets
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a rerun with every stage current loaded the target")
+
+    monkeypatch.setattr(eyas.targets, "load_target", no_load)
+    monkeypatch.setattr(eyas.targets, "load_tokenizer", no_load)
     assert quickstart.main([str(recipe)]) == 0
     out = capsys.readouterr().out
     summary2 = json.loads((run_dir / "quickstart.json").read_text())
-    assert {k for k, s in summary2["stages"].items() if s["skipped"]} == {"prepare", "dump", "eval"}
-    assert "[2/6] prepare: skipped" in out and "[3/6] dump: skipped" in out and "[5/6] eval: skipped" in out
-    assert "at step 6" in out
+    assert {k for k, s in summary2["stages"].items() if s["skipped"]} == set(quickstart.STAGES) - {"target"}
+    for index, stage in enumerate(quickstart.STAGES[1:], start=2):
+        assert f"[{index}/6] {stage}: skipped" in out
+    assert out.count("speculative decoding on ") == 1
+    # The first run's stage times are kept in the history, not overwritten.
+    assert [h["stages"] for h in summary2["history"]] == [summary["stages"]]
     assert (run_dir / "checkpoints" / "step_00000006" / "model.safetensors").read_bytes() == weights
     assert json.loads((run_dir / "eval" / "report.json").read_text())["created"] == report["created"]
+    monkeypatch.undo()
 
-    # A changed data setting reruns prepare (and the dump that depends on it).
-    recipe2 = load_recipe(recipe, ["data.max_length=80"])
-    assert not quickstart.prepare_done(recipe2) and not quickstart.dump_done(recipe2)
-    assert quickstart.prepare_done(load_recipe(recipe)) and quickstart.dump_done(load_recipe(recipe))
+    # A changed data setting reruns prepare, says why in one line, and then the dump behind it is stale.
+    original, changed = load_recipe(recipe), load_recipe(recipe, ["data.max_length=80"])
+    verdict = stages.check("prepare", changed)
+    assert not verdict.current and verdict.reason == "data.max_length changed (96 -> 80)"
+    assert stages.check("dump", changed).current  # its input, the prepared data, is still the old one
+    from eyas.data.prepare import main as prepare_main
+
+    changed = load_recipe(recipe, ["data.max_length=80", "data.regenerate=false"])  # no regeneration: quick
+    assert prepare_main([str(recipe), "data.max_length=80", "data.regenerate=false"]) == 0
+    assert ("eyas prepare: running again: data.max_length changed (96 -> 80); data.regenerate changed (True -> False)"
+            in capsys.readouterr().out)
+    assert stages.check("prepare", changed).current
+    dump_verdict = stages.check("dump", changed)
+    assert not dump_verdict.current and dump_verdict.reason == "the prepare output it reads has changed"
+    assert not stages.check("prepare", original).current

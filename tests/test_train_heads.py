@@ -9,8 +9,9 @@ from train_helpers import draft_cfg, synthetic_batch, tiny_d2t, tiny_target_conf
 from transformers import DynamicCache
 
 from eyas.errors import EyasError
-from eyas.train.checkpoint import compatibility_errors, load_draft, save_draft
-from eyas.train.heads import DecoderLayer, TTTCache, build_head, head_config
+from eyas.draft.blocks import DecoderLayer, TTTCache
+from eyas.draft.checkpoint import load_draft, save_draft
+from eyas.draft.registry import build_head, head_class
 
 EAGLE3_KEYS = [
     "d2t", "embed_tokens.weight", "fc.weight", "lm_head.weight", "midlayer.hidden_norm.weight",
@@ -60,7 +61,7 @@ def test_qwen2_biases_and_full_vocab_without_d2t():
     attn = head.midlayer.self_attn
     assert attn.q_proj.bias is not None and attn.k_proj.bias is not None and attn.o_proj.bias is None
     assert head.d2t is None and head.lm_head.weight.shape[0] == 384
-    assert head.config["aux_layers"] == [2, 3, 3]  # default_layers(6)
+    assert head.config.aux_layers == [2, 3, 3]  # default_layers(6)
 
 
 def test_layer_matches_transformers_llama_layer_with_rope_scaling():
@@ -164,9 +165,10 @@ def test_load_rejects_non_draft_and_reports_differences(tmp_path):
     with pytest.raises(EyasError, match="not a draft checkpoint"):
         load_draft(tmp_path)
     tc = tiny_target_config()
-    a = head_config(draft_cfg("eagle3"), tc, [2, 3, 3], 200, "id1")
-    b = head_config(draft_cfg("eagle3"), tiny_target_config(hidden_size=32), [2, 3, 3], 200, "id2")
-    diffs = compatibility_errors(a, b)
+    eagle3 = head_class("eagle3")
+    a = eagle3.head_config(draft_cfg("eagle3"), tc, [2, 3, 3], 200, "id1")
+    b = eagle3.head_config(draft_cfg("eagle3"), tiny_target_config(hidden_size=32), [2, 3, 3], 200, "id2")
+    diffs = b.resume_differences(a)
     assert any(d.startswith("hidden_size: checkpoint 64 vs this run 32") for d in diffs)
     assert any(d.startswith("target_identity") for d in diffs)
 

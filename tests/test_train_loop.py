@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 
 from eyas.config import load_recipe
 from eyas.errors import EyasError
-from eyas.train.checkpoint import list_checkpoints, load_draft
+from eyas.draft.checkpoint import load_draft
+from eyas.train.checkpoint import list_checkpoints
 from eyas.train.data import check_shards_fit
 from eyas.train.loop import train
 from train_helpers import make_workspace, new_run
@@ -183,3 +184,69 @@ def test_logger_files_written(workspace, logger, monkeypatch):
     else:
         assert list((logs / "tensorboard").rglob("events.out.tfevents.*"))
     assert len(_train_log(workspace["root"] / f"log_{logger}")) == 2
+
+
+def test_resume_applies_a_changed_learning_rate(workspace, capsys):
+    """A resume with train.lr changed trains at the new rate from the resumed step on, and says so."""
+    train(_recipe(workspace, "lr-changed"), stop_at_step=3)
+    resumed = train(_same(workspace, "lr-changed", "train.lr=1e-5"))
+    assert resumed["step"] == 6
+    assert "train.lr 0.001 -> 1e-05" in capsys.readouterr().out
+    lrs = {r["step"]: r["lr"] for r in _train_log(workspace["root"] / "lr-changed")}
+    reference = {r["step"]: r["lr"] for r in _train_log(workspace["root"] / "uninterrupted")} or None
+    if reference is None:  # this test alone: an uninterrupted run at lr 1e-3 for the schedule's factors
+        train(_recipe(workspace, "uninterrupted"))
+        reference = {r["step"]: r["lr"] for r in _train_log(workspace["root"] / "uninterrupted")}
+    for step in (1, 2, 3):
+        assert lrs[step] == pytest.approx(reference[step])
+    for step in (4, 5, 6):  # the same schedule factor, on the new peak
+        assert lrs[step] == pytest.approx(reference[step] * 1e-2)
+    saved = json.loads((resumed["checkpoint"] / "trainer.json").read_text())
+    assert saved["train"]["lr"] == 1e-5  # recorded as applied
+
+
+def test_resume_refuses_a_setting_it_cannot_apply(workspace):
+    train(_recipe(workspace, "budget-changed"), stop_at_step=2)
+    with pytest.raises(EyasError, match=r"train\.token_budget was 400, now 600.*train\.resume=false"):
+        train(_same(workspace, "budget-changed", "train.token_budget=600"))
+
+
+def test_steps_redone_after_a_kill_are_logged_once(workspace):
+    """metrics.jsonl rows of steps past the last checkpoint (lost in a kill) are dropped on resume."""
+    run = workspace["root"] / "redone"
+    train(_recipe(workspace, "redone"), stop_at_step=3)
+    log = run / "logs" / "metrics.jsonl"
+    shutil.rmtree(run / "checkpoints" / "step_00000003")  # as if killed after logging step 3, before saving it
+    with log.open("a") as f:
+        f.write('{"kind": "train", "step": 3, "loss": 1.0')  # and a torn line
+    train(_same(workspace, "redone"))
+    assert [r["step"] for r in _train_log(run)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_damaged_random_state_is_refused(workspace):
+    """A resume that could not restore the RNG would silently stop being exact: refuse it."""
+    train(_recipe(workspace, "rng-damaged"), stop_at_step=2)
+    rng = workspace["root"] / "rng-damaged" / "checkpoints" / "step_00000002" / "state" / "random_states_0.pkl"
+    data = bytearray(rng.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    rng.write_bytes(bytes(data))
+    with pytest.raises(EyasError, match="random state of rank 0 .* damaged"):
+        train(_same(workspace, "rng-damaged"))
+
+
+def test_full_disk_during_a_save_is_one_clear_error(workspace, monkeypatch):
+    import errno
+
+    import eyas.train.loop as loop
+
+    train(_recipe(workspace, "disk-full"), stop_at_step=2)
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(loop, "save_draft", no_space)
+    with pytest.raises(EyasError, match=r"No space left on device.*step_00000002.*free disk space"):
+        train(_same(workspace, "disk-full"))
+    ckpts = workspace["root"] / "disk-full" / "checkpoints"
+    assert [p.name for p in list_checkpoints(ckpts)] == ["step_00000002"]
+    assert not list(ckpts.glob("*.partial"))

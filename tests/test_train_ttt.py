@@ -7,7 +7,7 @@ import pytest
 import torch
 from train_helpers import draft_cfg, synthetic_batch, tiny_d2t, tiny_target_config
 
-from eyas.train.heads import build_head
+from eyas.draft.registry import build_head
 from eyas.train.losses import Teacher
 from eyas.train.ttt import simulated_acceptance_length, step_counts, unroll
 
@@ -127,7 +127,7 @@ def test_mtp_target_feed_ignores_previous_hidden_and_chain_reads_it():
     finally:
         handle.remove()
     assert perturbed[1] == base[1] and perturbed[0] != base[0]
-    head.config["mtp_feed"] = "chain"
+    head.config.mtp_feed = "chain"
     base, _ = _losses(head, teacher, batch, steps=3, token_feed="data")
     handle = _perturb_call(head.layers[0], 0, lambda h: h + torch.randn_like(h))
     try:

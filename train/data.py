@@ -2,7 +2,11 @@
 that remembers the consumed data position, and the target's embedding / lm_head / norm.
 
 Shards that do not fit the draft (an eagle3 head without the three fused layers, a hidden
-size other than the target's, no teacher) are refused before any training step.
+size other than the target's, no teacher) are refused before any training step. Shards are
+verified as `eyas.data.shards.ShardReader` describes: identity, sizes and every shard's header
+(plan fingerprint) at open; offsets at a shard's first read; each sample's checksum at its first
+read, in the prefetch thread, so a corrupt or foreign shard stops the run before the step that
+would use it, with the file, what differs and the fix.
 """
 
 from __future__ import annotations
@@ -128,7 +132,8 @@ def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def read_target_weights(target_path: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def read_target_weights(target_path: str, trust_remote_code: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(embedding [V,H], lm_head [V,H], final norm [H]) read straight from the target's safetensors.
 
     Llama/Qwen-style names are tried first; other layouts ask the model class itself (built on
@@ -141,7 +146,7 @@ def read_target_weights(target_path: str) -> tuple[torch.Tensor, torch.Tensor, t
     from eyas.targets import load_target_config, resolve_target_path
 
     folder = resolve_target_path(target_path)
-    config = load_target_config(target_path)
+    config = load_target_config(target_path, trust_remote_code=trust_remote_code)
     index = Path(folder) / "model.safetensors.index.json"
     if index.is_file():
         files = json.loads(index.read_text())["weight_map"]
@@ -149,11 +154,11 @@ def read_target_weights(target_path: str) -> tuple[torch.Tensor, torch.Tensor, t
         with safe_open(str(Path(folder) / "model.safetensors"), "pt") as f:
             files = {k: "model.safetensors" for k in f.keys()}
     else:
-        return _weights_from_full_model(target_path)
+        return _weights_from_full_model(target_path, trust_remote_code)
 
     embed_name, head_name, norm_name = "model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"
     if embed_name not in files or norm_name not in files:  # not the Llama/Qwen layout: ask the model class
-        embed_name, head_name, norm_name = _parameter_names(config)
+        embed_name, head_name, norm_name = _parameter_names(config, trust_remote_code)
 
     def read(name: str | None) -> torch.Tensor | None:
         if name is None or name not in files:
@@ -166,16 +171,16 @@ def read_target_weights(target_path: str) -> tuple[torch.Tensor, torch.Tensor, t
     if head is None and getattr(config, "tie_word_embeddings", False):
         head = embed
     if embed is None or head is None:
-        return _weights_from_full_model(target_path)
+        return _weights_from_full_model(target_path, trust_remote_code)
     return embed, head, read(norm_name)
 
 
-def _parameter_names(config: Any) -> tuple[str, str, str | None]:
+def _parameter_names(config: Any, trust_remote_code: bool = False) -> tuple[str, str, str | None]:
     """Embedding, lm_head and final-norm weight names of the target's class (built on the meta device)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
+        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     names = {id(m): n for n, m in skeleton.named_modules()}
     base = getattr(skeleton, "model", skeleton)
     return (names[id(skeleton.get_input_embeddings())] + ".weight",
@@ -183,12 +188,13 @@ def _parameter_names(config: Any) -> tuple[str, str, str | None]:
             names[id(base.norm)] + ".weight" if hasattr(base, "norm") else None)
 
 
-def _weights_from_full_model(target_path: str):
+def _weights_from_full_model(target_path: str, trust_remote_code: bool = False):
     from transformers import AutoModelForCausalLM
 
     from eyas.targets import resolve_target_path
 
-    model = AutoModelForCausalLM.from_pretrained(resolve_target_path(target_path), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(resolve_target_path(target_path), dtype=torch.float32,
+                                                 trust_remote_code=trust_remote_code)
     base = getattr(model, "model", model)
     norm = base.norm.weight.detach() if hasattr(base, "norm") else None
     return (model.get_input_embeddings().weight.detach(), model.get_output_embeddings().weight.detach(), norm)

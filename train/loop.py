@@ -27,18 +27,45 @@ inf loss stops the run (exit status 2) naming the step, the batch and the last g
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import os
+import shutil
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, ProjectConfiguration, set_seed
+from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
+from eyas import stages
+from eyas.cli import stage_main
+from eyas.config import Recipe, check_against_target, default_layers, parse_loss_mix, save_resolved
+from eyas.data.prepare import load_prepared
+from eyas.data.shards import TokenBudgetLoader, budget_batches, pad_batch
+from eyas.data.vocab import VOCAB_FILE, build_vocab, count_tokens, load_vocab
+from eyas.draft.checkpoint import save_draft
+from eyas.draft.head import DraftHead, count_parameters
+from eyas.draft.registry import build_head, head_class, uses_draft_vocab
 from eyas.errors import EyasError
+from eyas.io import fresh_partial, publish_dir, sha256_file
+from eyas.precision import mixed_precision_for
+from eyas.targets import load_target, load_target_config, load_tokenizer, target_identity
+from eyas.train import checkpoint as ckpt
+from eyas.train.data import BatchStream, open_shards, read_target_weights, to_device
+from eyas.train.losses import Teacher
+from eyas.train.metrics import MetricsLogger, tracker_settings
+from eyas.train.online import OnlineFeatures, PreparedReader
+from eyas.train.ttt import TrainingUnroll, default_token_feed, head_state, simulated_acceptance_length, step_counts
 
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
 
@@ -46,23 +73,7 @@ STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
 # ----------------------------------------------------------------------------- setup
 
 
-def resolve_mixed_precision(setting: str) -> str:
-    """The accelerate mixed_precision value: auto = bf16 on a GPU that has it, else none."""
-    if setting in ("no", "fp32"):
-        return "no"
-    if setting != "auto":
-        return setting
-    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
-        return "bf16"
-    return "no"
-
-
-def make_accelerator(recipe: Any, find_unused: bool) -> Any:
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, ProjectConfiguration
-
-    from eyas.train.metrics import tracker_settings
-
+def make_accelerator(recipe: Recipe, find_unused: bool) -> Accelerator:
     log_with, project_dir = tracker_settings(recipe)
     # accelerate drops DeepSpeed when cpu=True; on a machine without a GPU DeepSpeed runs on its
     # own CPU accelerator, and the process group has to be gloo (accelerate only knows GPU backends there).
@@ -73,7 +84,7 @@ def make_accelerator(recipe: Any, find_unused: bool) -> Any:
     _forget_previous_run_settings()
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available() and not deepspeed,
-        mixed_precision=resolve_mixed_precision(recipe.train.mixed_precision),
+        mixed_precision=mixed_precision_for(recipe.train.mixed_precision),
         gradient_accumulation_steps=recipe.train.grad_accum,
         log_with=log_with,
         project_config=ProjectConfiguration(project_dir=str(project_dir), logging_dir=str(project_dir)),
@@ -93,8 +104,6 @@ def _forget_previous_run_settings() -> None:
     an fp32 one in the same Python process, as the tests do). The per-run part is dropped; the
     distributed setup (PartialState: process group, ranks) is kept.
     """
-    from accelerate.state import AcceleratorState
-
     AcceleratorState._reset_state(reset_partial_state=False)
 
 
@@ -112,16 +121,44 @@ def configure_deepspeed(accelerator: Any, train_cfg: Any) -> None:
         config["gradient_clipping"] = float(train_cfg.max_grad_norm)
 
 
-def lr_lambda(total_steps: int, warmup: int, min_ratio: float):
-    """Linear warmup to the peak over `warmup` steps, then cosine decay to `min_ratio` of it."""
+def no_decay(name: str, param: torch.nn.Parameter) -> bool:
+    """Norm weights and biases (1-D parameters) take no weight decay, as in every LM trainer."""
+    return param.ndim < 2 or name.endswith(".bias")
 
-    def factor(step: int) -> float:
-        if warmup > 0 and step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
-    return factor
+def make_optimizer(head: DraftHead, cfg: Any) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters; weight decay on matrices only (groups tagged `decay`)."""
+    named = [(n, p) for n, p in head.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for n, p in named if not no_decay(n, p)], "decay": True},
+              {"params": [p for n, p in named if no_decay(n, p)], "decay": False}]
+    groups = [g for g in groups if g["params"]]
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas))
+    set_optimizer_settings(optimizer, cfg)
+    return optimizer
+
+
+def set_optimizer_settings(optimizer: torch.optim.Optimizer, cfg: Any) -> None:
+    """The recipe's betas and weight decay on every group (also after a resume restored the saved ones)."""
+    for group in optimizer.param_groups:
+        group["betas"] = tuple(cfg.betas)
+        group["weight_decay"] = cfg.weight_decay if group.get("decay", True) else 0.0
+
+
+# Settings a resume cannot change: they fix the data order, the batch shapes or the numerics of
+# the saved optimizer and data state. Every other train.* setting is applied from the recipe.
+FIXED_ON_RESUME = ("source", "token_budget", "grad_accum", "ttt_steps", "ttt_token_feed", "mixed_precision")
+# Settings that do not change a step's numerics and need no word when they differ.
+QUIET_ON_RESUME = ("resume", "log_every", "logger", "wandb_project", "prefetch")
+
+
+def changed_settings(saved: dict, current: dict) -> dict[str, tuple[Any, Any]]:
+    """train.* settings that differ between a checkpoint's run and this one: {key: (saved, now)}."""
+    return {k: (saved[k], v) for k, v in current.items()
+            if k in saved and k not in QUIET_ON_RESUME and _as_list(saved[k]) != _as_list(v)}
+
+
+def _as_list(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
 
 
 @dataclass
@@ -136,30 +173,20 @@ class Source:
     description: str = ""
 
 
-def open_source(recipe: Any, target_config: Any, identity: str, device: Any, target_model: Any = None) -> Source:
-    from eyas.config import default_layers
-    from eyas.data.vocab import load_vocab
-    from eyas.train.heads import uses_draft_vocab
-
+def open_source(recipe: Recipe, target_config: Any, identity: str, device: Any, target_model: Any = None) -> Source:
     kind, run_dir = recipe.draft.kind, recipe.run_dir
     want_vocab = uses_draft_vocab(recipe.draft)
     if recipe.train.source == "shards":
-        from eyas.train.data import open_shards
-
         shards = open_shards(run_dir, kind, int(target_config.hidden_size), recipe.dump.layers, identity)
         d2t = load_vocab(shards["root"])[0] if want_vocab else None
         reader = shards["train"]
         desc = (f"shards {shards['root']} ({len(reader)} samples, {reader.manifest.get('num_tokens')} tokens, "
                 f"{reader.manifest.get('encoding')})")
         return Source(reader, shards["heldout"], shards["layers"], d2t, None, desc)
-    from eyas.data.prepare import load_prepared
-    from eyas.train.online import OnlineFeatures, PreparedReader
-
     if target_model is None:
-        from eyas.targets import load_target
-
         target_model, _ = load_target(recipe.target, device)
-    layers = (list(recipe.dump.layers) or default_layers(int(target_config.num_hidden_layers))) if kind == "eagle3" else []
+    fused = head_class(kind).feature == "aux_hidden"
+    layers = (list(recipe.dump.layers) or default_layers(int(target_config.num_hidden_layers))) if fused else []
     train_reader = PreparedReader(load_prepared(run_dir, "train"))
     heldout = load_prepared(run_dir, "heldout")
     d2t = _online_vocab(recipe, train_reader, int(target_config.vocab_size)) if want_vocab else None
@@ -168,10 +195,8 @@ def open_source(recipe: Any, target_config: Any, identity: str, device: Any, tar
                   f"online: target in the loop over {run_dir / 'prepared'} ({len(train_reader)} samples)")
 
 
-def _online_vocab(recipe: Any, reader: Any, vocab_size: int) -> torch.Tensor:
+def _online_vocab(recipe: Recipe, reader: Any, vocab_size: int) -> torch.Tensor:
     """The dump's vocabulary when one exists, else the same one built from the prepared data."""
-    from eyas.data.vocab import VOCAB_FILE, build_vocab, count_tokens, load_vocab
-
     shards = recipe.run_dir / "shards"
     if (shards / VOCAB_FILE).is_file():
         return load_vocab(shards)[0]
@@ -194,6 +219,40 @@ class TrainState:
                 "best_step": self.best_step, "last_eval": self.last_eval}
 
 
+@dataclass
+class Totals:
+    """Sums over the micro-batches of one optimizer step, or over one held-out pass (per unroll step k)."""
+
+    loss: torch.Tensor          # [steps] loss sums (weighted by the loss mask)
+    correct: torch.Tensor       # [steps] positions where the draft's argmax is the reference's
+    counts: torch.Tensor        # [steps] loss-masked positions
+    feature_loss: torch.Tensor  # [] EAGLE-1's feature regression sum
+    tokens: torch.Tensor        # [] real (non-padding) tokens seen
+
+    @classmethod
+    def zeros(cls, steps: int, device: Any) -> Totals:
+        return cls(*(torch.zeros(n, device=device) for n in (steps, steps, steps)),
+                   torch.zeros((), device=device), torch.zeros((), device=device))
+
+    def add(self, out: dict, tokens: torch.Tensor | None = None) -> None:
+        """Add one unroll's outputs (a `TrainingUnroll` forward)."""
+        self.loss += torch.stack([s.detach().float() for s in out["loss_sums"]])
+        self.correct += torch.stack([c.float() for c in out["correct"]])
+        self.counts += torch.stack([c.float() for c in out["counts"]])
+        if out["feature_loss_sum"] is not None:
+            self.feature_loss += out["feature_loss_sum"].detach().float()
+        if tokens is not None:
+            self.tokens += tokens
+
+    def reduced(self, accelerator: Accelerator) -> Totals:
+        """Summed over every process in one collective, on the CPU."""
+        steps = self.loss.numel()
+        packed = torch.cat([self.loss, self.correct, self.counts, self.feature_loss[None], self.tokens[None]])
+        packed = accelerator.reduce(packed, reduction="sum").cpu()
+        return Totals(packed[:steps], packed[steps:2 * steps], packed[2 * steps:3 * steps],
+                      packed[3 * steps], packed[3 * steps + 1])
+
+
 class StopSignals:
     """Records SIGTERM/SIGUSR1 instead of dying; the loop checkpoints and exits at a step boundary."""
 
@@ -201,9 +260,7 @@ class StopSignals:
         self.received: str | None = None
         self._previous: dict[int, Any] = {}
 
-    def install(self) -> "StopSignals":
-        import threading
-
+    def install(self) -> StopSignals:
         if threading.current_thread() is not threading.main_thread():
             return self
         for name in STOP_SIGNALS:
@@ -225,61 +282,76 @@ class StopSignals:
 
 
 class Trainer:
-    """Holds everything one run needs; `run()` trains to the end, a signal, or `stop_at_step`."""
+    """Holds everything one run needs; `run()` trains to the end, a signal, or `stop_at_step`.
 
-    def __init__(self, recipe: Any, target_model: Any = None) -> None:
-        from accelerate.utils import set_seed
+    Built in named steps: the target's identity, the accelerator, the data source, the head,
+    the teacher, the loader and schedule, then accelerate's wrapping of the training unroll.
+    """
 
-        from eyas.config import check_against_target, parse_loss_mix
-        from eyas.targets import load_target_config, load_tokenizer, target_identity
-        from eyas.train.heads import build_head
-        from eyas.train.losses import Teacher
-        from eyas.train.ttt import default_token_feed
-
+    def __init__(self, recipe: Recipe, target_model: Any = None) -> None:
         self.recipe, self.cfg = recipe, recipe.train
         self.kind = recipe.draft.kind
         self.run_dir = recipe.run_dir
         self.ckpt_root = self.run_dir / "checkpoints"
-        target_config = target_model.config if target_model is not None else load_target_config(recipe.target.path)
-        check_against_target(recipe, target_config)
-        self.identity = target_identity(target_config, load_tokenizer(recipe.target))
-        self.train_steps = 1 if self.kind == "eagle" else self.cfg.ttt_steps  # EAGLE-1 trains one step + features
+        self.kind_class = head_class(self.kind)
+        target_config = self._check_target(target_model)
+        # EAGLE-1 trains one step (plus its feature regression); the held-out eval unrolls the full depth
+        self.train_steps = 1 if self.kind_class.feature_regression else self.cfg.ttt_steps
         self.eval_steps = self.cfg.ttt_steps
-        unused = self.kind == "mtp" and self.train_steps < recipe.draft.num_steps
+        unused = not self.kind_class.shares_layer and self.train_steps < recipe.draft.num_steps
         self.accelerator = make_accelerator(recipe, find_unused=unused)
-        acc = self.accelerator
-        self.device = acc.device
+        self.device = self.accelerator.device
         self.source = open_source(recipe, target_config, self.identity, self.device, target_model)
-        set_seed(recipe.run.seed)
-        head = build_head(recipe.draft, target_config, self.source.aux_layers, self.source.d2t, self.identity)
-        embed, lm_head, norm = self._target_weights(target_model)
-        head.init_from_target_weights(embed, lm_head, norm)
-        self.head_config = dict(head.config)
-        teacher_dtype = torch.bfloat16 if acc.mixed_precision == "bf16" and self.device.type == "cuda" else torch.float32
-        self.teacher = Teacher(lm_head, self.source.d2t if head.d2t is not None else None, self.cfg.teacher_chunk,
-                               teacher_dtype, self.device)
+        head, lm_head = self._build_head(target_config, target_model)
+        self.head_config = head.config
+        self.teacher = self._build_teacher(head, lm_head)
         self.mix = parse_loss_mix(self.cfg.loss)
         self.token_feed = default_token_feed(self.kind) if self.cfg.ttt_token_feed == "auto" else self.cfg.ttt_token_feed
         self.weights = [self.cfg.ttt_decay ** k for k in range(self.train_steps)]
         self.loader = self.make_loader(self.source.train_reader, shuffle=True)
-        batches = len(self.loader)
-        if batches == 0:
-            raise EyasError(f"the training data gives no batch to each of {acc.num_processes} process(es); "
-                            "use more data or a smaller train.token_budget")
-        self.batches_per_epoch = batches
-        self.total_steps = self.cfg.max_steps or max(1, math.ceil(self.cfg.epochs * batches / self.cfg.grad_accum))
-        optimizer = torch.optim.AdamW(head.trainable_parameters(), lr=self.cfg.lr, betas=tuple(self.cfg.betas),
-                                      weight_decay=self.cfg.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lr_lambda(self.total_steps, self.cfg.warmup_steps, self.cfg.min_lr_ratio))
-        from eyas.train.heads import count_parameters
-
+        optimizer = self._build_schedule(head)
         self.param_counts = count_parameters(head)  # before ZeRO-3 partitions the weights
-        configure_deepspeed(acc, self.cfg)
-        head.to(self.device)
-        self.model, self.optimizer = acc.prepare(head, optimizer)
+        configure_deepspeed(self.accelerator, self.cfg)
+        self.model, self.optimizer = self.accelerator.prepare(TrainingUnroll(head.to(self.device)), optimizer)
         self.state = TrainState()
         self.resumed_from: Path | None = None
+        self.resume_changes: dict[str, tuple[Any, Any]] = {}
+
+    # -- build steps
+
+    def _check_target(self, target_model: Any) -> Any:
+        """The target's config, checked against the recipe; sets the target identity."""
+        recipe = self.recipe
+        target_config = target_model.config if target_model is not None else load_target_config(recipe.target.path, trust_remote_code=recipe.target.trust_remote_code)
+        check_against_target(recipe, target_config)
+        self.identity = target_identity(target_config, load_tokenizer(recipe.target))
+        return target_config
+
+    def _build_head(self, target_config: Any, target_model: Any) -> tuple[DraftHead, torch.Tensor]:
+        """A seeded new head with the target's embedding, lm_head and final norm copied in."""
+        set_seed(self.recipe.run.seed)
+        head = build_head(self.recipe.draft, target_config, self.source.aux_layers, self.source.d2t, self.identity)
+        embed, lm_head, norm = self._target_weights(target_model)
+        head.init_from_target_weights(embed, lm_head, norm)
+        return head, lm_head
+
+    def _build_teacher(self, head: DraftHead, lm_head: torch.Tensor) -> Teacher:
+        bf16_cuda = self.accelerator.mixed_precision == "bf16" and self.device.type == "cuda"
+        return Teacher(lm_head, self.source.d2t if head.d2t is not None else None, self.cfg.teacher_chunk,
+                       torch.bfloat16 if bf16_cuda else torch.float32, self.device)
+
+    def _build_schedule(self, head: DraftHead) -> torch.optim.Optimizer:
+        """The optimizer and its warmup + cosine schedule over the run's optimizer steps."""
+        batches = len(self.loader)
+        if batches == 0:
+            raise EyasError(f"the training data gives no batch to each of {self.accelerator.num_processes} process(es); "
+                            "use more data or a smaller train.token_budget")
+        self.total_steps = self.cfg.max_steps or max(1, math.ceil(self.cfg.epochs * batches / self.cfg.grad_accum))
+        optimizer = make_optimizer(head, self.cfg)
+        self.scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+            optimizer, num_warmup_steps=self.cfg.warmup_steps, num_training_steps=self.total_steps,
+            min_lr_rate=self.cfg.min_lr_ratio)
+        return optimizer
 
     # -- pieces
 
@@ -291,24 +363,18 @@ class Trainer:
                     target_model.get_output_embeddings().weight.detach().float(), norm)
         if self.source.features is not None:
             return self._target_weights(self.source.features.model)
-        from eyas.train.data import read_target_weights
+        return read_target_weights(self.recipe.target.path, trust_remote_code=self.recipe.target.trust_remote_code)
 
-        return read_target_weights(self.recipe.target.path)
-
-    def make_loader(self, reader: Any, shuffle: bool) -> Any:
-        from eyas.data.shards import TokenBudgetLoader
-
+    def make_loader(self, reader: Any, shuffle: bool) -> TokenBudgetLoader:
         acc = self.accelerator
         return TokenBudgetLoader(reader, self.cfg.token_budget, seed=self.recipe.run.seed,
                                  rank=acc.process_index, world_size=acc.num_processes, shuffle=shuffle)
 
     @property
-    def head(self) -> Any:
-        return self.accelerator.unwrap_model(self.model)
+    def head(self) -> DraftHead:
+        return self.accelerator.unwrap_model(self.model).head
 
     def _prepare_batch(self, batch: dict) -> dict:
-        from eyas.train.data import to_device
-
         batch = to_device(batch, self.device)
         if self.source.features is not None:
             batch = self.source.features(batch)
@@ -317,8 +383,6 @@ class Trainer:
     # -- one optimizer step
 
     def train_step(self, micro: list[tuple[dict, dict]]) -> dict:
-        from eyas.train.ttt import step_counts
-
         acc, steps = self.accelerator, self.train_steps
         local = torch.zeros(steps, device=self.device)
         for batch, _ in micro:
@@ -326,22 +390,18 @@ class Trainer:
             local += torch.stack(step_counts(mask, steps)).to(self.device)
         counts = acc.reduce(local, reduction="sum").clamp(min=1.0)
         scale = acc.num_processes * self.cfg.grad_accum  # undo DDP's mean over ranks and accelerate's / grad_accum
-        sums = torch.zeros(2 * steps + 2, device=self.device)  # loss_k, correct_k, feature loss, tokens
+        totals = Totals.zeros(steps, self.device)
         for index, (batch, position) in enumerate(micro):
             batch = self._prepare_batch(batch)
             with acc.accumulate(self.model):
                 out = self.model(batch, self.teacher, steps, self.mix, token_feed=self.token_feed,
-                                 feature_loss=self.kind == "eagle")
+                                 feature_loss=self.kind_class.feature_regression)
                 loss = sum(w * s / c for w, s, c in zip(self.weights, out["loss_sums"], counts)) * scale
                 if out["feature_loss_sum"] is not None:
                     loss = loss + self.cfg.feature_loss_weight * out["feature_loss_sum"] / counts[0] * scale
                 self._check_finite(loss, index, position)
                 acc.backward(loss)
-            sums[:steps] += torch.stack([s.detach().float() for s in out["loss_sums"]])
-            sums[steps:2 * steps] += torch.stack([c.float() for c in out["correct"]])
-            if out["feature_loss_sum"] is not None:
-                sums[2 * steps] += out["feature_loss_sum"].detach().float()
-            sums[2 * steps + 1] += batch["attention_mask"].sum()
+            totals.add(out, tokens=batch["attention_mask"].sum())
         grad_norm = None
         if self.cfg.max_grad_norm > 0:
             grad_norm = acc.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
@@ -349,15 +409,13 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return self._step_metrics(sums, counts, grad_norm, lr)
+        return self._step_metrics(totals.reduced(acc), counts.cpu(), grad_norm, lr)
 
     def _check_finite(self, loss: torch.Tensor, index: int, position: dict) -> None:
         bad = torch.tensor([0.0 if torch.isfinite(loss.detach()).all() else 1.0], device=self.device)
         if float(self.accelerator.reduce(bad, reduction="sum")) == 0:
             return
-        from eyas.train.checkpoint import latest_checkpoint
-
-        last = latest_checkpoint(self.ckpt_root)
+        last = ckpt.latest_checkpoint(self.ckpt_root)
         value = float(loss.detach()) if torch.isfinite(loss.detach()).all() else loss.detach().item()
         raise EyasError(
             f"non-finite loss at step {self.state.step + 1} (rank {self.accelerator.process_index}: loss {value}, "
@@ -366,22 +424,19 @@ class Trainer:
             "Lower train.lr or check the shards (eyas.data.shards.verify), then resume from it"
         )
 
-    def _step_metrics(self, sums: torch.Tensor, counts: torch.Tensor, grad_norm: Any, lr: float) -> dict:
-        steps = self.train_steps
-        sums = self.accelerator.reduce(sums, reduction="sum").cpu()
-        counts = counts.cpu()
+    def _step_metrics(self, totals: Totals, counts: torch.Tensor, grad_norm: Any, lr: float) -> dict:
         metrics: dict = {"lr": lr}
         total = 0.0
-        for k in range(steps):
-            loss_k = float(sums[k] / counts[k])
+        for k in range(self.train_steps):
+            loss_k = float(totals.loss[k] / counts[k])
             metrics[f"loss_{k}"] = loss_k
-            metrics[f"acc_{k}"] = float(sums[steps + k] / counts[k])
+            metrics[f"acc_{k}"] = float(totals.correct[k] / counts[k])
             total += self.weights[k] * loss_k
-        if self.kind == "eagle":
-            metrics["feature_loss"] = float(sums[2 * steps] / counts[0])
+        if self.kind_class.feature_regression:
+            metrics["feature_loss"] = float(totals.feature_loss / counts[0])
             total += self.cfg.feature_loss_weight * metrics["feature_loss"]
         metrics["loss"] = total
-        metrics["tokens"] = int(sums[2 * steps + 1])
+        metrics["tokens"] = int(totals.tokens)
         if grad_norm is not None:
             metrics["grad_norm"] = float(grad_norm)
         return metrics
@@ -391,13 +446,10 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Per-step loss and accuracy (against the target's full-vocab argmax) and simulated acceptance."""
-        from eyas.data.shards import pad_batch
-        from eyas.train.ttt import simulated_acceptance_length
-
-        acc, steps = self.accelerator, self.eval_steps
+        steps = self.eval_steps
         reader = self.source.heldout_reader or self.source.train_reader
         mine, rounds, spare = self._eval_batches(reader)
-        sums = torch.zeros(3 * steps, device=self.device)
+        totals = Totals.zeros(steps, self.device)
         self.model.eval()
         for index in range(rounds):
             # Every rank runs the same number of forwards (FSDP/ZeRO-3 gather weights collectively);
@@ -407,17 +459,15 @@ class Trainer:
             out = self.model(batch, self.teacher, steps, self.mix, token_feed=self.token_feed,
                              teacher_top=self._reference_argmax(batch))
             if real:
-                sums[:steps] += torch.stack([s.float() for s in out["loss_sums"]])
-                sums[steps:2 * steps] += torch.stack([c.float() for c in out["correct"]])
-                sums[2 * steps:] += torch.stack([c.float() for c in out["counts"]])
+                totals.add(out)
         self.model.train()
-        sums = acc.reduce(sums, reduction="sum").cpu()
-        counts = sums[2 * steps:].clamp(min=1.0)
-        accuracy = [float(sums[steps + k] / counts[k]) for k in range(steps)]
+        totals = totals.reduced(self.accelerator)
+        counts = totals.counts.clamp(min=1.0)
+        accuracy = [float(totals.correct[k] / counts[k]) for k in range(steps)]
         metrics = {f"acc_{k}": a for k, a in enumerate(accuracy)}
-        metrics.update({f"loss_{k}": float(sums[k] / counts[k]) for k in range(steps)})
+        metrics.update({f"loss_{k}": float(totals.loss[k] / counts[k]) for k in range(steps)})
         metrics["sim_accept"] = simulated_acceptance_length(accuracy)
-        metrics["positions"] = int(sums[2 * steps])
+        metrics["positions"] = int(totals.counts.sum())
         metrics["split"] = "heldout" if self.source.heldout_reader is not None else "train-slice"
         return metrics
 
@@ -428,10 +478,6 @@ class Trainer:
         1-process and an N-process run agree; returns (this rank's index arrays, rounds, a spare
         batch for ranks with fewer).
         """
-        import numpy as np
-
-        from eyas.data.shards import budget_batches
-
         lengths = reader.lengths
         order = np.argsort(-lengths, kind="stable")
         batches = budget_batches(order, lengths, self.cfg.token_budget)[: self.cfg.eval_batches]
@@ -449,35 +495,47 @@ class Trainer:
     # -- checkpoints
 
     def save(self, best_only: bool = False) -> Path:
-        """Save a step checkpoint (every rank takes part), or only the draft into `best/`."""
-        from eyas.train import checkpoint as ckpt
+        """Save a step checkpoint (every rank takes part), or only the draft into `best/`.
 
-        acc = self.accelerator
+        A failed write (a full disk) removes the half-written directory and stops with the fix;
+        the checkpoints already published are untouched.
+        """
         name = "best" if best_only else ckpt.step_dir(self.ckpt_root, self.state.step).name
-        final = self.ckpt_root / name
         partial = self.ckpt_root / f"{name}.partial"
-        if acc.is_main_process:
-            import shutil
-
+        try:
+            return self._write_checkpoint(name, partial, best_only)
+        except OSError as exc:
             shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
+            last = ckpt.latest_checkpoint(self.ckpt_root)
+            raise EyasError(f"cannot write the checkpoint '{self.ckpt_root / name}': {exc.strerror or exc}. "
+                            f"Nothing saved before is lost (newest complete checkpoint: {last or 'none'}); free disk "
+                            "space and run the same command again to resume") from None
+
+    def _write_checkpoint(self, name: str, partial: Path, best_only: bool) -> Path:
+        acc = self.accelerator
+        final = self.ckpt_root / name
+        if acc.is_main_process:
+            fresh_partial(final)
         acc.wait_for_everyone()
-        state_dict = acc.get_state_dict(self.model)
+        state_dict = head_state(acc.get_state_dict(self.model))
         meta = {"step": self.state.step, "eval": self.state.last_eval, "run": self.recipe.run.name,
                 "tokens": self.state.tokens, "train_steps": self.train_steps, "ttt_steps": self.cfg.ttt_steps}
         if not best_only:
             acc.save_state(str(partial / "state"))
-            ckpt.write_json(partial / f"loader_rank{acc.process_index}.json", self.position)
+            rng = partial / "state" / f"random_states_{acc.process_index}.pkl"
+            ckpt.write_json(partial / f"loader_rank{acc.process_index}.json",
+                            {**self.position, "rng_sha256": sha256_file(rng) if rng.is_file() else None})
         if acc.is_main_process:
-            ckpt.save_draft(partial, self.head, meta, state_dict)
+            save_draft(partial, self.head, meta, state_dict)
             if not best_only:
                 ckpt.write_json(partial / ckpt.TRAINER_FILE, {
                     **self.state.to_dict(), "scheduler": self.scheduler.state_dict(),
-                    "world_size": acc.num_processes, "head_config": self.head_config,
+                    "world_size": acc.num_processes, "head_config": self.head_config.to_dict(),
+                    "train": dataclasses.asdict(self.cfg), "seed": self.recipe.run.seed,
                     "total_steps": self.total_steps})
         acc.wait_for_everyone()
         if acc.is_main_process:
-            ckpt.publish(partial, final)
+            publish_dir(partial, final)
             if not best_only:
                 ckpt.prune_checkpoints(self.ckpt_root, self.cfg.keep_last)
         acc.wait_for_everyone()
@@ -485,13 +543,11 @@ class Trainer:
 
     def resume(self) -> None:
         """Restore everything from the newest complete checkpoint, if resuming is on and there is one."""
-        from eyas.train import checkpoint as ckpt
-
         latest = ckpt.latest_checkpoint(self.ckpt_root) if self.cfg.resume else None
         if latest is None:
             return
         saved = ckpt.read_trainer_state(latest)
-        diffs = ckpt.compatibility_errors(saved["head_config"], self.head_config)
+        diffs = self.head_config.resume_differences(saved["head_config"])
         if diffs:
             raise EyasError(f"cannot resume from '{latest}': the checkpoint's draft differs from this run's ("
                             + "; ".join(diffs) + "); set train.resume=false or use another run.name")
@@ -503,23 +559,58 @@ class Trainer:
         if not (latest / "state").is_dir() or not position_file.is_file():
             raise EyasError(f"'{latest}' lacks its training state (state/ or {position_file.name}); "
                             "delete it to resume from the one before")
+        changes = self._settings_on_resume(saved, latest)
+        position = json.loads(position_file.read_text())
+        self._check_rng_state(latest, position)
         self.accelerator.load_state(str(latest / "state"))
         self.scheduler.load_state_dict(saved["scheduler"])
-        import json
-
-        self.loader.load_state_dict(json.loads(position_file.read_text()))
+        if changes:
+            self._apply_changed_settings()
+        self.resume_changes = changes
+        self.loader.load_state_dict(position)
         self.position = self.loader.state_dict()
         self.state = TrainState(step=saved["step"], tokens=saved["tokens"], best_sim_accept=saved["best_sim_accept"],
                                 best_step=saved["best_step"], last_eval=saved.get("last_eval", {}))
         self.resumed_from = latest
 
+    def _check_rng_state(self, latest: Path, position: dict) -> None:
+        """accelerate skips an unreadable RNG state with a log line, and the resume is no longer exact."""
+        rank = self.accelerator.process_index
+        rng = latest / "state" / f"random_states_{rank}.pkl"
+        expected = position.get("rng_sha256")
+        if expected is None:  # written before checkpoints recorded it
+            return
+        if not rng.is_file() or sha256_file(rng) != expected:
+            raise EyasError(f"the random state of rank {rank} in '{latest}' is missing or damaged (checksum differs), so "
+                            "a resume from it would not be exact; delete that checkpoint to resume from the one before, "
+                            "or set train.resume=false")
+
+    def _settings_on_resume(self, saved: dict, latest: Path) -> dict[str, tuple[Any, Any]]:
+        """The changed train.* settings this resume applies; refuses the ones it cannot."""
+        if "train" not in saved:  # written before checkpoints recorded their settings
+            return {}
+        changes = changed_settings(saved["train"], dataclasses.asdict(self.cfg))
+        if saved.get("seed", self.recipe.run.seed) != self.recipe.run.seed:
+            changes["run.seed"] = (saved["seed"], self.recipe.run.seed)
+        fixed = [k for k in changes if k in FIXED_ON_RESUME or k == "run.seed"]
+        if fixed:
+            what = "; ".join(f"{_key(k)} was {changes[k][0]!r}, now {changes[k][1]!r}" for k in fixed)
+            raise EyasError(f"cannot resume from '{latest}': {what}. These fix the data order and the saved state; "
+                            "set them back to resume, or start over with train.resume=false (or another run.name)")
+        return changes
+
+    def _apply_changed_settings(self) -> None:
+        """After load_state restored the saved optimizer: this recipe's lr, schedule, betas and decay."""
+        set_optimizer_settings(self.optimizer, self.cfg)
+        scheduler = self.scheduler
+        scheduler.base_lrs = [self.cfg.lr for _ in self.optimizer.param_groups]
+        for group, base, factor in zip(self.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            group["lr"] = base * factor(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
     # -- the loop
 
     def run(self, stop_at_step: int | None = None) -> dict:
-        from eyas.config import save_resolved
-        from eyas.train.data import BatchStream
-        from eyas.train.metrics import MetricsLogger
-
         acc, cfg = self.accelerator, self.cfg
         self.position = self.loader.state_dict()
         self.resume()
@@ -533,6 +624,9 @@ class Trainer:
             f"TTT {self.train_steps} step(s); {self.source.description}; device {self.device}, "
             f"mixed precision {acc.mixed_precision}"
             + (f"; resumed from {self.resumed_from} (step {self.state.step})" if self.resumed_from else ""))
+        if self.resumed_from and self.resume_changes:
+            logger.message("eyas train: resumed with changed settings, applied from this step on: " + ", ".join(
+                f"{_key(k)} {old!r} -> {new!r}" for k, (old, new) in self.resume_changes.items()))
         signals = StopSignals().install()
         stream = BatchStream(self.loader, cfg.prefetch)
         outcome = "done"
@@ -564,10 +658,8 @@ class Trainer:
             logger.close()
             if self.source.features is not None:
                 self.source.features.close()
-        from eyas.train.checkpoint import best_checkpoint, latest_checkpoint
-
-        return {"step": self.state.step, "outcome": outcome, "checkpoint": latest_checkpoint(self.ckpt_root),
-                "best": best_checkpoint(self.run_dir), "best_sim_accept": self.state.best_sim_accept,
+        return {"step": self.state.step, "outcome": outcome, "checkpoint": ckpt.latest_checkpoint(self.ckpt_root),
+                "best": ckpt.best_checkpoint(self.run_dir), "best_sim_accept": self.state.best_sim_accept,
                 "last_eval": self.state.last_eval}
 
     def _stop_requested(self, signals: StopSignals, stop_at_step: int | None) -> bool:
@@ -591,6 +683,10 @@ class Trainer:
             self.save(best_only=True)
 
 
+def _key(name: str) -> str:
+    return name if "." in name else f"train.{name}"
+
+
 def train(recipe: Any, target_model: Any = None, stop_at_step: int | None = None) -> dict:
     """Train a draft head for `recipe`; returns step, outcome, checkpoint paths and the last eval.
 
@@ -605,20 +701,16 @@ def train(recipe: Any, target_model: Any = None, stop_at_step: int | None = None
 
 
 def main(argv: list[str] | None = None) -> int:
-    from eyas.cli import guarded, stage_parser
-    from eyas.config import load_recipe
-
-    args = stage_parser("eyas train", "train a draft head (eagle, eagle3, mtp) from shards or online").parse_args(argv)
-
-    def body() -> int:
-        result = train(load_recipe(args.recipe, args.overrides))
-        if int(os.environ.get("RANK", "0")) == 0:
+    def body(recipe: Recipe, args: Any) -> int:
+        ran, result = stages.run("train", recipe, lambda: train(recipe), force=args.force,
+                                 files=lambda r: [r["checkpoint"]], finished=lambda r: r["outcome"] == "done")
+        if ran and int(os.environ.get("RANK", "0")) == 0:
             best = f"{result['best_sim_accept']:.3f}" if result["best_sim_accept"] >= 0 else "n/a"
             print(f"eyas train: {result['outcome']} at step {result['step']} in {result['seconds']:.0f} s; "
                   f"newest checkpoint {result['checkpoint']}, best {result['best']} (simulated acceptance {best})")
         return 0
 
-    return guarded(body, args.debug)
+    return stage_main("train", argv, body)
 
 
 if __name__ == "__main__":

@@ -148,7 +148,6 @@ class Teacher:
         self.chunk = int(chunk)
         self.vocab_size = vocab
         if d2t is None:
-            self.draft_rows = None
             self.weight = weight.contiguous()
             self.rest_weight = None
             self.target_to_draft = None
@@ -156,7 +155,6 @@ class Teacher:
             rows = (torch.arange(len(d2t)) + d2t.cpu()).to(device)
             in_draft = torch.zeros(vocab, dtype=torch.bool, device=device)
             in_draft[rows] = True
-            self.draft_rows = rows
             self.weight = weight[rows].contiguous()
             self.rest_weight = weight[~in_draft].contiguous()
             # target id -> draft id (-1 outside the draft vocabulary), for hard-CE labels

@@ -14,6 +14,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
+from eyas.io import atomic_write_text
+
 
 def tracker_settings(recipe: Any) -> tuple[str | None, Path]:
     """(accelerate `log_with`, project dir) for the recipe's logger; sets wandb offline without a key."""
@@ -48,9 +52,8 @@ class MetricsLogger:
             accelerator.init_trackers(recipe.train.wandb_project if recipe.train.logger == "wandb" else recipe.run.name,
                                       config=_flat(recipe.to_dict()), init_kwargs=init_kwargs)
         if self.main:
-            from tqdm import tqdm
-
             self.logs.mkdir(parents=True, exist_ok=True)
+            drop_rows_after(self.logs / "metrics.jsonl", start_step)
             self.jsonl = open(self.logs / "metrics.jsonl", "a", encoding="utf-8")
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", desc="eyas train", dynamic_ncols=True)
 
@@ -90,6 +93,30 @@ class MetricsLogger:
         if self.main:
             self.bar.close()
             self.jsonl.close()
+
+
+def drop_rows_after(path: Path, step: int) -> int:
+    """Remove the rows of steps after `step` (a run killed past its last checkpoint redoes them).
+
+    Also drops a torn last line. Returns how many rows were removed; the file is rewritten
+    atomically only when something goes.
+    """
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            dropped += 1
+            continue
+        if int(row.get("step", 0)) > step:
+            dropped += 1
+        else:
+            kept.append(line)
+    if dropped:
+        atomic_write_text(path, "".join(line + "\n" for line in kept))
+    return dropped
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:

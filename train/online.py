@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from eyas.data.dump import HiddenCapture
+
 
 class PreparedReader:
     """A prepared `datasets.Dataset` seen through the ShardReader interface the loader uses."""
@@ -38,8 +40,6 @@ class OnlineFeatures:
     """Adds `aux_hidden` (eagle3) and `last_hidden` to a batch by running the frozen target."""
 
     def __init__(self, model: Any, aux_layers: list[int]) -> None:
-        from eyas.data.dump import HiddenCapture
-
         self.model = model
         self.aux_layers = list(aux_layers)
         self.capture = HiddenCapture(model, self.aux_layers)

@@ -30,7 +30,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from eyas.train.heads import DraftHead, TTTCache
+from torch import nn
+
+from eyas.draft.blocks import TTTCache
+from eyas.draft.head import DraftHead
+from eyas.draft.registry import head_class
 from eyas.train.losses import Teacher, TeacherDist, step_losses
 
 TOKEN_FEEDS = ("draft", "data")
@@ -47,8 +51,8 @@ class UnrollResult:
 
 
 def default_token_feed(kind: str) -> str:
-    """eagle/eagle3 feed their own drafted tokens; mtp layers see data tokens (their keys are context)."""
-    return "data" if kind == "mtp" else "draft"
+    """The kind's own choice: eagle/eagle3 feed their drafted tokens; mtp layers see data tokens."""
+    return head_class(kind).default_token_feed
 
 
 def step_counts(loss_mask: torch.Tensor, steps: int) -> list[torch.Tensor]:
@@ -59,10 +63,9 @@ def step_counts(loss_mask: torch.Tensor, steps: int) -> list[torch.Tensor]:
 
 
 def step0_feature(head: DraftHead, batch: dict) -> torch.Tensor:
-    """The feature step 0 reads: fc over the fused layers (eagle3), else the target's last hidden."""
-    if head.kind == "eagle3":
-        return head.project(batch["aux_hidden"])
-    return batch["last_hidden"]
+    """The feature step 0 reads: the kind's dump feature through its projection (fc over the fused
+    layers for eagle3; the target's last hidden as it is for eagle and mtp)."""
+    return head.project(batch[head.feature])
 
 
 def teacher_for(batch: dict, teacher: Teacher) -> TeacherDist:
@@ -96,7 +99,7 @@ def unroll(head: DraftHead, batch: dict, teacher: Teacher, steps: int, mix: dict
     pad = ids.new_zeros(bsz, 1)
     tokens = torch.cat([ids[:, 1:], pad], dim=1)  # x_{t+1} at slot t
     feature = first_feature = step0_feature(head, batch)
-    cache = TTTCache() if head.kind in ("eagle", "eagle3") else None
+    cache = TTTCache() if head.shares_layer else None
     out = UnrollResult()
     for k in range(steps):
         hidden, logits = head.step(k, tokens, feature, positions + k, past_key_values=cache)
@@ -106,13 +109,37 @@ def unroll(head: DraftHead, batch: dict, teacher: Teacher, steps: int, mix: dict
             out.feature_loss_sum = _feature_loss_sum(hidden, batch["last_hidden"], loss_mask)
         if k + 1 == steps:
             break
-        chain = not (head.kind == "mtp" and head.config["mtp_feed"] == "target")
-        feature = hidden if chain else first_feature
+        feature = hidden if head.chains_hidden() else first_feature
         if token_feed == "draft":
             tokens = head.draft_to_target(drafted)
         else:
             tokens = torch.cat([ids[:, k + 2:], ids.new_zeros(bsz, min(k + 2, seq))], dim=1)[:, :seq]
     return out
+
+
+class TrainingUnroll(nn.Module):
+    """The module the trainer hands to accelerate: `forward` runs the unroll over the wrapped head.
+
+    Going through a module's forward() is what lets DDP, FSDP and DeepSpeed hook the backward and
+    accelerate apply autocast. Its state_dict keys are the head's with a `head.` prefix
+    (`head_state` strips it). Returns a dict of per-step lists (see `UnrollResult`).
+    """
+
+    def __init__(self, head: DraftHead) -> None:
+        super().__init__()
+        self.head = head
+
+    def forward(self, batch: dict, teacher: Teacher, steps: int, mix: dict, token_feed: str = "draft",
+                feature_loss: bool = False, teacher_top: torch.Tensor | None = None) -> dict:
+        result = unroll(self.head, batch, teacher, steps, mix, token_feed=token_feed, feature_loss=feature_loss,
+                        teacher_top=teacher_top)
+        return {"loss_sums": result.loss_sums, "counts": result.counts, "correct": result.correct,
+                "feature_loss_sum": result.feature_loss_sum}
+
+
+def head_state(unroll_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A `TrainingUnroll` state_dict with the head's own names."""
+    return {name.removeprefix("head."): tensor for name, tensor in unroll_state.items()}
 
 
 def _score_step(out: UnrollResult, k: int, logits, drafted, teacher: TeacherDist, teacher_top, labels, loss_mask,

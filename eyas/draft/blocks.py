@@ -1,0 +1,179 @@
+"""The layers every head kind is built from: attention, norms, MLP and three decoder layers.
+
+Sizes come from the target's own config (`HeadConfig`), and norms, rotary embedding and MLP
+are transformers' own Llama blocks. The attention is written here because EAGLE-3's layer
+attends over a 2 x hidden input (concat(embedding, feature)) and the training-time test
+needs a mask no HF layer takes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from eyas.draft.config import HeadConfig
+
+
+def layer_config(cfg: HeadConfig) -> LlamaConfig:
+    """A LlamaConfig carrying the head's shapes, for transformers' norm/rotary/MLP blocks."""
+    return LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, hidden_act=cfg.hidden_act,
+        rms_norm_eps=cfg.rms_norm_eps, rope_parameters=dict(cfg.rope_parameters),
+        max_position_embeddings=cfg.max_position_embeddings, attention_bias=cfg.o_bias, mlp_bias=False,
+    )
+
+
+def rms_norm(cfg: HeadConfig) -> nn.Module:
+    return LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+
+def mlp(cfg: HeadConfig) -> nn.Module:
+    return LlamaMLP(layer_config(cfg))
+
+
+def rotary_embedding(cfg: HeadConfig) -> nn.Module:
+    return LlamaRotaryEmbedding(layer_config(cfg))
+
+
+class TTTCache:
+    """Keys/values of a training-time-test unroll, one block per step and layer.
+
+    Block 0 holds the context (step 0 at every position); block j >= 1 holds step j's
+    entries. The mask it implies (see `DraftAttention._ttt_attention`): the query of step k
+    at slot t attends to block-0 keys at slots s <= t and to block-j keys (1 <= j <= k) at
+    slot t only; exactly what a draft sees at inference after context 0..t.
+    """
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def append(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> list:
+        self.blocks.setdefault(layer_idx, []).append((key, value))
+        return self.blocks[layer_idx]
+
+
+class DraftAttention(nn.Module):
+    """Multi-head attention with GQA and RoPE over an input of `in_features` (H or 2H)."""
+
+    def __init__(self, cfg: HeadConfig, in_features: int) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.scaling = self.head_dim ** -0.5
+        self.q_proj = nn.Linear(in_features, self.num_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention_mask: Any,
+                past_key_values: Any, layer_idx: int) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        q = self.q_proj(x).view(bsz, seq, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(bsz, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(bsz, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if isinstance(past_key_values, TTTCache):
+            out = self._ttt_attention(q, past_key_values.append(layer_idx, k, v))
+        else:
+            out = self._cached_attention(q, k, v, attention_mask, past_key_values, layer_idx)
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, self.num_heads * self.head_dim))
+
+    def _cached_attention(self, q, k, v, attention_mask, cache, layer_idx):
+        """Plain attention (optionally through a transformers Cache); None mask = causal."""
+        past = 0
+        if cache is not None:
+            past = cache.get_seq_length(layer_idx)
+            k, v = cache.update(k, v, layer_idx)
+        seq = q.shape[2]
+        if attention_mask is None and past == 0:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=seq > 1, scale=self.scaling, enable_gqa=True)
+        if attention_mask is None:  # new tokens continue the cached ones: causal with an offset
+            rows = torch.arange(seq, device=q.device)[:, None] + past
+            attention_mask = torch.arange(past + seq, device=q.device)[None, :] <= rows
+        elif attention_mask.dtype != torch.bool:
+            attention_mask = attention_mask.to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=self.scaling, enable_gqa=True)
+
+    def _ttt_attention(self, q, blocks):
+        """Training-time-test attention without materialising the (k+1)T-wide mask.
+
+        Scores are [context block, causal over slots s <= t] followed by one score per earlier
+        step j (its key at the same slot t, the diagonal); one softmax over both parts.
+        """
+        bsz, _, seq, dim = q.shape
+        groups = self.num_heads // self.num_kv_heads
+        qg = q.view(bsz, self.num_kv_heads, groups, seq, dim)
+        k0, v0 = blocks[0]
+        if len(blocks) == 1:
+            return F.scaled_dot_product_attention(q, k0, v0, is_causal=True, scale=self.scaling, enable_gqa=True)
+        ctx = torch.matmul(qg, k0.unsqueeze(2).transpose(-1, -2)) * self.scaling  # [B, KV, G, T, T]
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
+        ctx = ctx.masked_fill(causal, float("-inf"))
+        diag = torch.stack([(qg * kj.unsqueeze(2)).sum(-1) for kj, _ in blocks[1:]], dim=-1) * self.scaling
+        probs = torch.softmax(torch.cat([ctx, diag], dim=-1), dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs[..., :seq], v0.unsqueeze(2))
+        for j, (_, vj) in enumerate(blocks[1:]):
+            out = out + probs[..., seq + j: seq + j + 1] * vj.unsqueeze(2)
+        return out.reshape(bsz, self.num_heads, seq, dim)
+
+
+class Eagle3Layer(nn.Module):
+    """EAGLE-3's decoder layer: attention over concat(norm(embedding), norm(feature)), 2H wide."""
+
+    def __init__(self, cfg: HeadConfig) -> None:
+        super().__init__()
+        self.input_layernorm = rms_norm(cfg)
+        self.hidden_norm = rms_norm(cfg)
+        self.self_attn = DraftAttention(cfg, 2 * cfg.hidden_size)
+        self.post_attention_layernorm = rms_norm(cfg)
+        self.mlp = mlp(cfg)
+
+    def forward(self, embeds, feature, cos, sin, attention_mask, cache, layer_idx):
+        residual = feature  # the residual stream is the feature, as in EAGLE-3
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(feature)], dim=-1)
+        h = residual + self.self_attn(x, cos, sin, attention_mask, cache, layer_idx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderLayer(nn.Module):
+    """A Llama decoder layer; EAGLE-1's layer 0 has no input norm (its fc output goes straight in)."""
+
+    def __init__(self, cfg: HeadConfig, input_norm: bool = True) -> None:
+        super().__init__()
+        self.input_layernorm = rms_norm(cfg) if input_norm else nn.Identity()
+        self.self_attn = DraftAttention(cfg, cfg.hidden_size)
+        self.post_attention_layernorm = rms_norm(cfg)
+        self.mlp = mlp(cfg)
+
+    def forward(self, x, cos, sin, attention_mask, cache, layer_idx):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attention_mask, cache, layer_idx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class MTPLayer(nn.Module):
+    """One multi-token-prediction step (DeepSeek-V3 layout): eh_proj(concat(enorm(e), hnorm(h))) -> layer -> norm."""
+
+    def __init__(self, cfg: HeadConfig) -> None:
+        super().__init__()
+        hidden = cfg.hidden_size
+        self.enorm = rms_norm(cfg)
+        self.hnorm = rms_norm(cfg)
+        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        self.input_layernorm = rms_norm(cfg)
+        self.self_attn = DraftAttention(cfg, hidden)
+        self.post_attention_layernorm = rms_norm(cfg)
+        self.mlp = mlp(cfg)
+        self.norm = rms_norm(cfg)
+
+    def forward(self, embeds, feature, cos, sin, attention_mask, cache, layer_idx):
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(feature)], dim=-1))
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attention_mask, cache, layer_idx)
+        return h + self.mlp(self.post_attention_layernorm(h))

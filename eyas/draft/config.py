@@ -1,0 +1,141 @@
+"""`HeadConfig`: everything needed to rebuild a draft head without its target.
+
+It is written as a draft directory's `config.json` (with a `meta` block beside it, see
+`eyas.draft.checkpoint`) and read back by eval, export and resume. The schema is versioned:
+`FORMAT_VERSION` is bumped on any change an older reader could not follow, and a config
+written by a newer eyas is refused with the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from eyas.errors import EyasError
+
+FORMAT = "eyas-draft"
+FORMAT_VERSION = 1
+
+# Families whose q/k/v projections always carry a bias although their config has no
+# `attention_bias` field (transformers hard-codes it).
+_QKV_BIAS_FAMILIES = ("qwen2", "qwen2_moe", "qwen2_vl")
+
+# Fields that must agree for a resume (or a warm start) to make sense.
+RESUME_FIELDS = ("kind", "num_layers", "mtp_feed", "aux_layers", "hidden_size", "intermediate_size",
+                 "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "draft_vocab_size",
+                 "target_identity")
+
+
+@dataclass
+class HeadConfig:
+    """A head's shapes and provenance; `to_dict()` is the on-disk `config.json` (minus `meta`)."""
+
+    kind: str
+    num_layers: int
+    num_steps: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    draft_vocab_size: int
+    max_position_embeddings: int
+    rope_parameters: dict = field(default_factory=dict)
+    mtp_feed: str = "target"
+    aux_layers: list[int] = field(default_factory=list)
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    qkv_bias: bool = False
+    o_bias: bool = False
+    initializer_range: float = 0.02
+    target_model_type: str = ""
+    target_hidden_layers: int = 0
+    tie_word_embeddings: bool = False
+    target_identity: str = ""
+    train_lm_head: bool = False
+    format: str = FORMAT
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def reduced_vocab(self) -> bool:
+        """Whether the head predicts over a reduced draft vocabulary (d2t/t2d maps)."""
+        return self.draft_vocab_size != self.vocab_size
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "config.json") -> HeadConfig:
+        """Read a saved config (a `meta` block and unknown keys of a future minor version are ignored)."""
+        if data.get("format") != FORMAT:
+            raise EyasError(f"'{where}' is not an eyas draft config (no format '{FORMAT}'); point at a checkpoint "
+                            "written by `eyas train`")
+        if int(data.get("format_version", 0)) > FORMAT_VERSION:
+            raise EyasError(f"'{where}' was written by a newer eyas (draft format {data['format_version']}, this "
+                            f"eyas reads up to {FORMAT_VERSION}); upgrade eyas")
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = sorted(f.name for f in dataclasses.fields(cls)
+                         if f.name not in data and f.default is dataclasses.MISSING
+                         and f.default_factory is dataclasses.MISSING)
+        if missing:
+            raise EyasError(f"'{where}' lacks {', '.join(missing)}; the checkpoint is damaged")
+        values = {k: v for k, v in data.items() if k in names}
+        values.setdefault("train_lm_head", data.get("kind") == "eagle3")  # configs from before the field existed
+        return cls(**values)
+
+    def resume_differences(self, other: HeadConfig | dict) -> list[str]:
+        """What differs from `other` (a saved config) in the fields a resume depends on."""
+        saved = other.to_dict() if isinstance(other, HeadConfig) else other
+        mine = self.to_dict()
+        return [f"{key}: checkpoint {saved.get(key)!r} vs this run {mine.get(key)!r}"
+                for key in RESUME_FIELDS if saved.get(key) != mine.get(key)]
+
+
+def rope_parameters(target_config: Any) -> dict:
+    """The target's RoPE settings as transformers >= 5 normalises them (theta + scaling)."""
+    params = getattr(target_config, "rope_parameters", None)
+    if params:
+        params = dict(params)
+        if "rope_theta" not in params and getattr(target_config, "rope_theta", None) is not None:
+            params["rope_theta"] = float(target_config.rope_theta)
+        return params
+    params = {"rope_type": "default", "rope_theta": float(getattr(target_config, "rope_theta", 10000.0))}
+    scaling = getattr(target_config, "rope_scaling", None)
+    if scaling:
+        params.update(scaling)
+        params["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
+    return params
+
+
+def text_config(target_config: Any) -> Any:
+    """The language-model part of a (possibly multimodal) target config."""
+    return target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+
+
+def target_shapes(target_config: Any) -> dict:
+    """The HeadConfig fields a head copies from its target (sizes, attention layout, RoPE, provenance)."""
+    text = text_config(target_config)
+    hidden = int(text.hidden_size)
+    heads = int(text.num_attention_heads)
+    model_type = str(getattr(text, "model_type", ""))
+    attention_bias = bool(getattr(text, "attention_bias", False))
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": int(text.intermediate_size),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(getattr(text, "num_key_value_heads", None) or heads),
+        "head_dim": int(getattr(text, "head_dim", None) or hidden // heads),
+        "hidden_act": str(getattr(text, "hidden_act", "silu")),
+        "rms_norm_eps": float(getattr(text, "rms_norm_eps", 1e-6)),
+        "qkv_bias": attention_bias or model_type in _QKV_BIAS_FAMILIES,
+        "o_bias": attention_bias,
+        "rope_parameters": rope_parameters(text),
+        "max_position_embeddings": int(text.max_position_embeddings),
+        "initializer_range": float(getattr(text, "initializer_range", 0.02)),
+        "vocab_size": int(text.vocab_size),
+        "target_model_type": model_type,
+        "target_hidden_layers": int(text.num_hidden_layers),
+        "tie_word_embeddings": bool(getattr(target_config, "tie_word_embeddings", False)),
+    }

@@ -1,0 +1,195 @@
+"""`DraftHead`: what every head kind shares, and what each kind declares about itself.
+
+A kind is one subclass in its own file (`eagle.py`, `eagle3.py`, `mtp.py`) listed in
+`eyas.draft.registry`. It builds its own layers in `_build`, says how it reads the target's
+features (`project`) and runs one draft step (`step`); the class attributes below tell the
+dump, the trainer, the eval adapter and the exporter everything else they need, so none of
+them branches on the kind's name.
+
+Semantics (EAGLE): at position t the head reads the feature f_t (the target's hidden state
+at t for step 0) and the embedding of token x_{t+1}, and predicts x_{t+2}. Step k > 0 reads
+the previous step's output hidden as its feature (or the target's f_t again, for `mtp` with
+target feed) and the embedding of the token it drafted.
+
+Frozen parts (the target's embedding, and its lm_head unless the kind trains it) have
+requires_grad=False; `trainable_parameters()` lists the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from eyas.draft.blocks import rotary_embedding
+from eyas.draft.config import HeadConfig, target_shapes
+from eyas.errors import EyasError
+
+
+class DraftHead(nn.Module):
+    """The shared part of a draft head; see the module docstring."""
+
+    kind: ClassVar[str]
+    # the dump feature step 0 reads: "aux_hidden" (three fused target layers) or "last_hidden"
+    feature: ClassVar[str] = "last_hidden"
+    # one layer serves every draft step (training uses the TTT mask, eval the shared-layer adapter);
+    # False: one layer per step, each with its own KV cache
+    shares_layer: ClassVar[bool] = True
+    # the token a step k > 0 reads in training: its own drafted token ("draft") or the data's ("data")
+    default_token_feed: ClassVar[str] = "draft"
+    # EAGLE-1 regresses the next feature and trains a single step
+    feature_regression: ClassVar[bool] = False
+    # may predict over the reduced draft vocabulary (d2t/t2d); else always the target's full one
+    supports_draft_vocab: ClassVar[bool] = False
+
+    def __init__(self, cfg: HeadConfig, d2t: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self._build(cfg)  # registration order = init order: embedding, kind layers, rotary
+        self.rotary_emb = rotary_embedding(cfg)
+        self._init_weights(cfg.initializer_range)
+        self.embed_tokens.requires_grad_(False)
+        if not cfg.train_lm_head:
+            self.lm_head.requires_grad_(False)
+        self.register_buffer("d2t", None)  # None buffers stay out of the state_dict
+        self.register_buffer("t2d", None)
+        if cfg.reduced_vocab:
+            self._set_vocab_maps(d2t, cfg.vocab_size, cfg.draft_vocab_size)
+
+    # ---- what a kind provides -------------------------------------------------------------------
+
+    @classmethod
+    def head_config(cls, draft_cfg: Any, target_config: Any, aux_layers: list[int],
+                    draft_vocab_size: int | None, target_identity: str) -> HeadConfig:
+        """This kind's HeadConfig for a recipe's `draft` section on a target."""
+        shapes = target_shapes(target_config)
+        vocab = shapes["vocab_size"]
+        if not cls.supports_draft_vocab or not draft_vocab_size or draft_vocab_size >= vocab:
+            draft_vocab_size = vocab
+        shapes["intermediate_size"] = int(draft_cfg.intermediate_size or shapes["intermediate_size"])
+        return HeadConfig(kind=cls.kind, num_layers=cls.layers_for(draft_cfg), num_steps=int(draft_cfg.num_steps),
+                          mtp_feed=draft_cfg.mtp_feed, aux_layers=list(aux_layers or []),
+                          draft_vocab_size=int(draft_vocab_size), target_identity=target_identity,
+                          train_lm_head=cls.trains_lm_head(draft_cfg), **shapes)
+
+    @classmethod
+    def layers_for(cls, draft_cfg: Any) -> int:
+        return 1
+
+    @classmethod
+    def trains_lm_head(cls, draft_cfg: Any) -> bool:
+        return False
+
+    def _build(self, cfg: HeadConfig) -> None:
+        raise NotImplementedError
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """The step-0 feature from what the dump stored (identity unless the kind fuses layers)."""
+        return features
+
+    def step(self, k: int, input_ids: torch.Tensor, feature: torch.Tensor, position_ids: torch.Tensor,
+             attention_mask: torch.Tensor | None = None, past_key_values: Any = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step: (hidden [B,T,H] pre-final-norm, fed to the next step; logits [B,T,V_draft]).
+
+        `k` is the draft step (it selects the layer of a per-step kind). `attention_mask`: None =
+        causal over the given tokens (continuing `past_key_values` if it holds any), or a 4D
+        bool/additive mask [B,1,T,S] with S = cached + new. `past_key_values`: a transformers
+        Cache (e.g. DynamicCache), or a `TTTCache` for the training-time-test unroll.
+        """
+        raise NotImplementedError
+
+    def chains_hidden(self) -> bool:
+        """Whether step k+1 reads step k's output hidden (else the target's feature again)."""
+        return True
+
+    def max_depth(self) -> int | None:
+        """The deepest draft step this head can make (None: any, one layer serves every step)."""
+        return None
+
+    def _final_norms(self) -> list[nn.Module]:
+        """The norms that take the target's final norm weight at initialisation."""
+        return []
+
+    # ---- shared -----------------------------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.config.draft_vocab_size
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def rotary(self, feature: torch.Tensor, position_ids: torch.Tensor, batch: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if position_ids.dim() == 1:
+            position_ids = position_ids.unsqueeze(0).expand(batch, -1)
+        return self.rotary_emb(feature, position_ids)
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Map draft-vocabulary ids to target ids (identity without a reduced vocabulary)."""
+        if self.d2t is None:
+            return draft_ids
+        return draft_ids + self.d2t[draft_ids]
+
+    def _set_vocab_maps(self, d2t: torch.Tensor | None, vocab: int, draft_vocab: int) -> None:
+        if d2t is None:
+            raise EyasError("a reduced draft vocabulary needs its d2t map (run `eyas dump`, which writes vocab.safetensors)")
+        d2t = torch.as_tensor(d2t, dtype=torch.long)
+        if d2t.numel() != draft_vocab:
+            raise EyasError(f"the d2t map has {d2t.numel()} entries but the head's draft vocabulary has {draft_vocab}")
+        target_ids = torch.arange(draft_vocab) + d2t
+        if target_ids.min() < 0 or target_ids.max() >= vocab:
+            raise EyasError(f"the d2t map points outside the target vocabulary (size {vocab}); rebuild it with `eyas dump`")
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[target_ids] = True
+        self.register_buffer("d2t", d2t)
+        self.register_buffer("t2d", t2d)
+
+    def _init_weights(self, std: float) -> None:
+        """HF-style init: normal(0, initializer_range) weights, zero biases, unit norms (seeded by the caller)."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+
+    def init_from_target(self, target_model: nn.Module) -> DraftHead:
+        """Copy (and freeze) the target's embedding, lm_head and final norm into the head."""
+        base = getattr(target_model, "model", target_model)
+        norm = getattr(base, "norm", None)
+        return self.init_from_target_weights(target_model.get_input_embeddings().weight,
+                                             target_model.get_output_embeddings().weight,
+                                             None if norm is None else norm.weight)
+
+    @torch.no_grad()
+    def init_from_target_weights(self, embed: torch.Tensor, lm_head: torch.Tensor,
+                                 norm: torch.Tensor | None) -> DraftHead:
+        """The same from bare tensors (the trainer reads them from the target's safetensors)."""
+        hidden, vocab = self.config.hidden_size, self.config.vocab_size
+        for name, w in (("embedding", embed), ("lm_head", lm_head)):
+            if tuple(w.shape) != (vocab, hidden):
+                raise EyasError(f"the target's {name} is {tuple(w.shape)}, the head expects {(vocab, hidden)}; "
+                                "is draft built for another target?")
+        self.embed_tokens.weight.copy_(embed.to(self.embed_tokens.weight.dtype))
+        rows = torch.arange(vocab) if self.d2t is None else self.draft_to_target(torch.arange(self.draft_vocab_size))
+        self.lm_head.weight.copy_(lm_head[rows.to(lm_head.device)].to(self.lm_head.weight.dtype))
+        if norm is not None:
+            for final_norm in self._final_norms():
+                final_norm.weight.copy_(norm)
+        return self
+
+
+def count_parameters(head: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts."""
+    total = sum(p.numel() for p in head.parameters())
+    return sum(p.numel() for p in head.parameters() if p.requires_grad), total

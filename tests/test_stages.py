@@ -1,0 +1,122 @@
+"""`eyas.stages`: a stage is skipped when its output is current, and says why when it is not."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eyas import stages
+from eyas.cli import stage_main
+from eyas.config import load_recipe
+
+
+def _recipe(tmp_path, *overrides):
+    return load_recipe(None, [f"run.output_dir={tmp_path}/runs", "run.name=st", *overrides])
+
+
+def _prepare_body(recipe, calls):
+    """Writes what a finished prepare leaves (its done files), counting the calls."""
+    def body():
+        out = recipe.run_dir / "prepared"
+        for name in stages.STAGES["prepare"].done_files:
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
+            (out / name).write_text("{}")
+        calls.append(1)
+        return "result"
+    return body
+
+
+def test_current_output_is_skipped_and_a_changed_setting_reruns_with_the_reason(tmp_path):
+    calls, lines = [], []
+    recipe = _recipe(tmp_path)
+    assert stages.run("prepare", recipe, _prepare_body(recipe, calls), say=lines.append) == (True, "result")
+    assert lines == []  # a first run has nothing to explain
+    assert stages.run("prepare", recipe, _prepare_body(recipe, calls), say=lines.append) == (False, None)
+    assert len(calls) == 1 and lines[-1].startswith("skipped: ") and "current for these settings" in lines[-1]
+    # A setting outside the stage's sections does not make it stale; one inside does.
+    assert stages.check("prepare", _recipe(tmp_path, "train.lr=3e-4")).current
+    changed = _recipe(tmp_path, "data.max_length=64", "run.seed=3")
+    stages.run("prepare", changed, _prepare_body(changed, calls), say=lines.append)
+    assert len(calls) == 2
+    assert lines[-1] == "running again: data.max_length changed (2048 -> 64); run.seed changed (0 -> 3)"
+    # --force runs a current stage.
+    assert stages.run("prepare", changed, _prepare_body(changed, calls), force=True, say=lines.append)[0]
+    assert len(calls) == 3 and lines[-1].startswith("--force")
+
+
+def test_a_redone_upstream_stage_makes_the_next_one_stale(tmp_path):
+    recipe = _recipe(tmp_path)
+    stages.run("prepare", recipe, _prepare_body(recipe, []), say=print)
+    shards = recipe.run_dir / "shards"
+
+    def dump_body():
+        (shards / "heldout").mkdir(parents=True, exist_ok=True)
+        (shards / "manifest.json").write_text("{}")
+        (shards / "heldout" / "manifest.json").write_text("{}")
+
+    stages.run("dump", recipe, dump_body, say=print)
+    assert stages.check("dump", recipe).current
+    stages.run("prepare", recipe, _prepare_body(recipe, []), force=True, say=print)
+    verdict = stages.check("dump", recipe)
+    assert not verdict.current and verdict.reason == "the prepare output it reads has changed"
+    # The dump's own settings are part of it too, and a deleted output file is noticed.
+    stages.run("dump", recipe, dump_body, say=print)
+    assert not stages.check("dump", _recipe(tmp_path, "draft.kind=mtp")).current
+    (shards / "heldout" / "manifest.json").unlink()
+    assert stages.check("dump", recipe).reason.endswith("manifest.json' is missing")
+
+
+def test_input_files_are_fingerprinted(tmp_path):
+    source = tmp_path / "rows.jsonl"
+    source.write_text('{"text": "a"}\n')
+    recipe = _recipe(tmp_path, f"data.source={source}")
+    stages.run("prepare", recipe, _prepare_body(recipe, []), say=print)
+    assert stages.check("prepare", recipe).current
+    source.write_text('{"text": "a longer row"}\n')  # same path, other content
+    assert stages.check("prepare", recipe).reason == "the files it reads have changed"
+
+
+def test_an_unfinished_run_leaves_no_record_and_an_old_record_is_dropped_first(tmp_path):
+    recipe = _recipe(tmp_path)
+    ckpt = recipe.run_dir / "checkpoints" / "step_00000002"
+
+    def train_body(outcome):
+        def body():
+            ckpt.mkdir(parents=True, exist_ok=True)
+            return {"outcome": outcome, "checkpoint": ckpt}
+        return body
+
+    args = dict(files=lambda r: [r["checkpoint"]], finished=lambda r: r["outcome"] == "done", say=print)
+    stages.run("train", recipe, train_body("SIGUSR1"), **args)
+    assert stages.read_record("train", recipe) is None and not stages.check("train", recipe).current
+    stages.run("train", recipe, train_body("done"), **args)
+    record = stages.read_record("train", recipe)
+    assert record["files"] == ["step_00000002"] and stages.check("train", recipe).current
+
+    def crash():
+        raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError):
+        stages.run("train", _recipe(tmp_path, "train.lr=1e-3"), crash, say=print)
+    assert stages.read_record("train", recipe) is None  # the old record no longer vouches for the output
+
+
+def test_stage_main_loads_the_recipe_and_writes_it_to_the_run_directory(tmp_path, capsys):
+    seen = []
+    rc = stage_main("prepare", [f"run.output_dir={tmp_path}/runs", "run.name=r9", "data.max_length=77"],
+                    lambda recipe, args: seen.append((recipe, args.force)))
+    assert rc == 0 and seen[0][0].data.max_length == 77 and seen[0][1] is False
+    assert load_recipe(tmp_path / "runs" / "r9" / "recipe.yaml") == seen[0][0]
+    # A user error is one line and exit status 2.
+    assert stage_main("prepare", ["data.max_lenght=1"], lambda r, a: None) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("eyas: error: unknown recipe key 'data.max_lenght'") and err.count("\n") == 1
+
+
+def test_record_is_plain_json_beside_the_output(tmp_path):
+    recipe = _recipe(tmp_path)
+    stages.run("prepare", recipe, _prepare_body(recipe, []), say=print)
+    record = json.loads((recipe.run_dir / "prepared" / stages.RECORD).read_text())
+    assert record["stage"] == "prepare" and record["sections"]["data"]["max_length"] == 2048
+    assert set(record["sections"]) == {"target", "data", "run.seed"}
