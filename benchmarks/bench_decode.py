@@ -59,11 +59,11 @@ def main(argv=None) -> int:
     import torch
 
     from eyas.config import TargetConfig
+    from eyas.decode import SamplingParams
     from eyas.eval.drafts import make_draft
     from eyas.eval.prompts import Prompt
     from eyas.eval.runner import encode_prompts, evaluate
     from eyas.eval.tree import parse_shape
-    from eyas.decode import SamplingParams
     from eyas.targets import load_target
 
     if args.threads > 0:

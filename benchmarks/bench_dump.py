@@ -31,7 +31,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from machine import machine, versions  # benchmarks/machine.py
 
 RESULTS = Path(__file__).parent / "results" / "bench_dump.json"

@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from machine import machine, versions  # benchmarks/machine.py
 
 RESULTS = Path(__file__).parent / "results" / "bench_train.json"

@@ -24,7 +24,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 from machine import machine, versions  # benchmarks/machine.py
 
 RESULTS = Path(__file__).parent / "results" / "bench_train_int8.json"

@@ -31,7 +31,6 @@ import types
 from pathlib import Path
 
 import torch
-
 from machine import machine, versions  # benchmarks/machine.py
 
 RESULTS = Path(__file__).parent / "results" / "bench_train_peers.json"

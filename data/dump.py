@@ -37,14 +37,27 @@ from typing import Any
 import numpy as np
 import torch
 
-from eyas.config import default_layers
+from eyas.config import check_against_target, default_layers, save_resolved
+from eyas.data.prepare import load_prepared, prepared_info, tokenizer_identity
+from eyas.data.shards import (
+    MANIFEST,
+    SCHEMA_VERSION,
+    atomic_write_json,
+    budget_batches,
+    build_index,
+    check_shard,
+    encode,
+    ids_dtype,
+    read_sidecar,
+    remove_stale_temps,
+    shard_name,
+    wait_for,
+    write_shard,
+)
+from eyas.data.vocab import count_tokens, write_vocab
 from eyas.draft.registry import head_class
 from eyas.errors import EyasError
-
-from eyas.data.shards import (
-    MANIFEST, SCHEMA_VERSION, atomic_write_json, budget_batches, build_index, check_shard, encode, ids_dtype,
-    read_sidecar, remove_stale_temps, shard_name, wait_for, write_shard,
-)
+from eyas.targets import IDENTITY_SCHEME, load_target, target_identity
 
 PLAN = "plan.json"
 
@@ -345,11 +358,6 @@ def finalize_split(out_dir: Path, num_shards: int, header: dict, wait: bool, pla
 
 def dump(recipe: Any, model: Any = None, tokenizer: Any = None) -> dict | None:
     """Run the stage; returns the train manifest (None on ranks/tasks that don't write it)."""
-    from eyas.config import check_against_target, save_resolved
-    from eyas.data.prepare import load_prepared, prepared_info, tokenizer_identity
-    from eyas.data.vocab import count_tokens, write_vocab
-    from eyas.targets import IDENTITY_SCHEME, load_target, target_identity
-
     rank, world, co_launched = distributed_env()
     run_dir = recipe.run_dir
     splits = {"train": load_prepared(run_dir, "train"), "heldout": load_prepared(run_dir, "heldout")}

@@ -36,10 +36,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from eyas.config import save_resolved
+from eyas.data.regenerate import regenerate_rows
+from eyas.data.self_prompts import category_mix, parse_categories, regenerate_unreplied, self_prompt_rows, turn_mix
+from eyas.data.sources import Skips, first_turns, load_rows, split_heldout
 from eyas.errors import EyasError
 from eyas.io import atomic_write_json, fresh_partial, publish_dir, remove_stale_temps
-
-from eyas.data.sources import Skips, first_turns, load_rows, split_heldout
+from eyas.precision import regenerate_dtype
+from eyas.targets import load_target, load_target_config, load_tokenizer, pick_device
 
 SPLITS = ("train", "heldout")
 # Skip reasons (stable strings: they are the keys of skipped.json)
@@ -347,10 +351,8 @@ def prepared_info(run_dir: str | Path) -> dict:
 
 def prepare(recipe: Any, tokenizer: Any = None, model: Any = None) -> dict:
     """Run the whole stage for a recipe; returns the info dict written to prepared/info.json."""
-    from eyas.config import save_resolved
-    from eyas.targets import load_target_config, load_tokenizer
-
     out_dir = recipe.run_dir / "prepared"
+    parse_categories(recipe.data.self_prompt_categories)  # a bad category is refused before any work
     if model is None:  # a masked LM or untrusted custom code is refused before any work
         load_target_config(recipe.target.path, trust_remote_code=recipe.target.trust_remote_code)
     remove_stale_temps(out_dir)
@@ -363,30 +365,21 @@ def prepare(recipe: Any, tokenizer: Any = None, model: Any = None) -> dict:
         rows, skips = load_rows(recipe.data.source, recipe.data.format, recipe.data.max_samples)
     rows = first_turns(rows, recipe.data.max_turns)
     if recipe.data.regenerate and model is None and not recipe.data.regenerate_endpoint:
-        from eyas.precision import regenerate_dtype
-        from eyas.targets import load_target, pick_device
-
         dtype = regenerate_dtype(recipe.data.regenerate_dtype, recipe.target.dtype, pick_device(recipe.target.device))
         model, _ = load_target(dataclasses.replace(recipe.target, dtype=dtype))  # once, for every use below
     written = []
     if recipe.data.self_prompts:
-        from eyas.data.self_prompts import self_prompt_rows
-
         written = self_prompt_rows(recipe, model, tokenizer, skips)
     rows += written
     train_rows, heldout_rows = split_heldout(rows, recipe.data.heldout_fraction, recipe.run.seed)
     if recipe.data.regenerate:
-        from eyas.data.regenerate import regenerate_rows
-        from eyas.data.self_prompts import regenerate_unreplied  # two-turn self-conversations are answered already
-
+        # two-turn self-conversations are answered already
         train_rows = regenerate_unreplied(train_rows, lambda r: regenerate_rows(r, recipe, tokenizer, model=model))
         heldout_rows = regenerate_unreplied(heldout_rows, lambda r: regenerate_rows(r, recipe, tokenizer, model=model))
     info = {"source": recipe.data.source, "tokenizer_identity": tokenizer_identity(tokenizer),
             "target_path": recipe.target.path, "regenerated": bool(recipe.data.regenerate),
             "self_prompts": len(written), "splits": {}}
     if written:
-        from eyas.data.self_prompts import category_mix, turn_mix
-
         info["self_prompt_categories"], info["self_prompt_turns"] = category_mix(written), turn_mix(written)
     for split, split_rows in (("train", train_rows), ("heldout", heldout_rows)):
         if not split_rows:

@@ -49,14 +49,18 @@ import sys
 import time
 import zlib
 from collections import Counter, OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
+from eyas.cli import guarded, stage_parser
+from eyas.config import load_recipe
 from eyas.errors import EyasError
 from eyas.io import atomic_write_bytes, atomic_write_json, remove_stale_temps  # noqa: F401 - re-exported
+from eyas.targets import load_target_config, load_tokenizer, target_identity
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -754,8 +758,6 @@ def wait_for(paths: list[Path], poll_s: float = 2.0, timeout_s: float | None = N
 
 def main(argv: list[str] | None = None) -> int:
     """`eyas verify RUN_DIR_OR_RECIPE`: the full check of a run's shards (every byte hashed)."""
-    from eyas.cli import guarded, stage_parser
-
     parser = stage_parser("eyas verify", "check a run's shards in full: sizes, headers, sha256, offsets")
     args = parser.parse_args(argv)
 
@@ -768,9 +770,6 @@ def main(argv: list[str] | None = None) -> int:
                                 "give the recipe instead of the folder")
             root = where / "shards" if (where / "shards" / MANIFEST).is_file() else where
         else:
-            from eyas.config import load_recipe
-            from eyas.targets import load_target_config, load_tokenizer, target_identity
-
             recipe = load_recipe(where, args.overrides)
             root = recipe.run_dir / "shards"
             if (root / MANIFEST).is_file():

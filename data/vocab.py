@@ -20,9 +20,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save
 
-from eyas.io import atomic_write_bytes
-
 from eyas.errors import EyasError
+from eyas.io import atomic_write_bytes
 
 VOCAB_FILE = "vocab.safetensors"
 

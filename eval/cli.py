@@ -13,14 +13,29 @@ Flags override the recipe's eval keys. Output: a terminal table, `report.json` a
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import json
 import platform
 import sys
 from pathlib import Path
 
-from eyas import stages
+import torch
+import transformers
+
+from eyas import __version__, stages
 from eyas.cli import stage_main, stage_parser
+from eyas.config import check_against_target, save_resolved
+from eyas.decode import SamplingParams
 from eyas.errors import EyasError
+from eyas.eval.drafts import make_draft
+from eyas.eval.engine_vllm import engine_eval, format_parity, require_vllm
+from eyas.eval.prompts import load_prompts
+from eyas.eval.report import plot, print_report, write_json
+from eyas.eval.runner import encode_prompts, evaluate
+from eyas.eval.tree import parse_shape
+from eyas.targets import load_target, resolve_target_path
+from eyas.train.checkpoint import best_checkpoint
 
 
 def build_parser():
@@ -47,8 +62,6 @@ def build_parser():
 
 def _flag_overrides(args) -> list[str]:
     """Flags as recipe overrides, so they are validated like any recipe key."""
-    import json
-
     out = []
     if args.target:
         out.append(f"target.path={args.target}")
@@ -74,7 +87,6 @@ def _draft_specs(recipe) -> list[str]:
         return [str(d) for d in recipe.eval.drafts]
     if recipe.eval.checkpoint:
         return [recipe.eval.checkpoint]
-    from eyas.train.checkpoint import best_checkpoint
 
     best = best_checkpoint(recipe.run_dir)
     if best is None:
@@ -84,9 +96,6 @@ def _draft_specs(recipe) -> list[str]:
 
 
 def _machine(device) -> dict:
-    import torch
-    import transformers
-
     info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "device": str(device), "cpu_threads": torch.get_num_threads()}
     if getattr(device, "type", "") == "cuda":
@@ -96,21 +105,9 @@ def _machine(device) -> dict:
 
 def run(recipe, progress: bool = True, console=None) -> dict:
     """Evaluate a resolved recipe; writes report.json + acceptance.png and returns the report."""
-    from eyas import __version__
-    from eyas.config import check_against_target, save_resolved
-    from eyas.eval.drafts import make_draft
-    from eyas.eval.prompts import load_prompts
-    from eyas.eval.report import plot, print_report, write_json
-    from eyas.eval.runner import encode_prompts, evaluate
-    from eyas.eval.tree import parse_shape
-    from eyas.decode import SamplingParams
-    from eyas.targets import load_target, resolve_target_path
-
     ev = recipe.eval
     shapes = [parse_shape(s) for s in ev.shapes]          # bad input fails before anything loads
     if ev.engine == "vllm":
-        from eyas.eval.engine_vllm import require_vllm
-
         require_vllm()
         if ev.temperature != 0:
             raise EyasError(f"eval.engine=vllm compares the two decoders at temperature 0; eval.temperature is "
@@ -154,8 +151,6 @@ def run(recipe, progress: bool = True, console=None) -> dict:
     }
     out_dir = Path(ev.output) if ev.output else recipe.run_dir / "eval"
     if ev.engine == "vllm":
-        from eyas.eval.engine_vllm import engine_eval
-
         report["vllm"] = engine_eval(specs, shapes, encoded, results, target, tokenizer, recipe.target.path,
                                      ev.max_new_tokens, out_dir, seed=recipe.run.seed)
     report["files"] = {"json": str(out_dir / "report.json"), "plot": str(out_dir / "acceptance.png")}
@@ -164,16 +159,12 @@ def run(recipe, progress: bool = True, console=None) -> dict:
     save_resolved(recipe, out_dir)
     print_report(report, console)
     if report.get("vllm"):
-        from eyas.eval.engine_vllm import format_parity
-
         print(format_parity(report["vllm"]))
     print(f"wrote {out_dir / 'report.json'} and {out_dir / 'acceptance.png'}")
     return report
 
 
 def main(argv: list[str] | None = None) -> int:
-    import dataclasses
-
     def body(recipe, args) -> int:
         adhoc = [o for o in _flag_overrides(args) if not o.startswith("eval.output=")]
         if adhoc and not recipe.eval.output:

@@ -19,9 +19,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from eyas.decode import (
+    SamplingParams,
+    cache_kwarg,
+    new_cache,
+    plain_decode,
+    process_logits,
+    sample,
+    seeded_generator,
+    stop_token_ids,
+    token_chooser,
+)
 from eyas.errors import EyasError
-from eyas.decode import (SamplingParams, cache_kwarg, new_cache, plain_decode, process_logits, sample, seeded_generator,
-                         stop_token_ids, token_chooser)
 from eyas.eval.kv import check_attention, keep_positions, tree_mask
 from eyas.eval.tree import Shape, build_tree
 from eyas.eval.verify import verify_greedy, verify_sampled

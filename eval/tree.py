@@ -17,13 +17,13 @@ before its children, so `tokens` is exactly the target's input for the verify fo
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
-from eyas.errors import EyasError
 from eyas.decode import SamplingParams, process_logits
+from eyas.errors import EyasError
 from eyas.eval.verify import draw_candidates
 
 SHAPE_HELP = "use chain:K, tree:[[0],[1],[0,0],...] or dynamic:depth=D,topk=K,nodes=N"

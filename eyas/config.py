@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from eyas.errors import EyasError
+from eyas.steering import parse_categories
 
 
 class _RecipeLoader(yaml.SafeLoader):
@@ -138,7 +139,8 @@ class DumpConfig:
     layers: list = _doc(
         "HF `hidden_states` indices of the fused layers (empty: 2, L//2, L-3 as EAGLE-3 uses).", factory=list
     )
-    encoding: str = _doc("Feature encoding on disk: bf16, fp16, fp8 (e4m3, per-token scale), int8 (per-token scale) or int4 (groups of 32). fp8 keeps about 1/7 of int8's error at the same size.", "fp8")
+    encoding: str = _doc("Feature encoding on disk: bf16, fp16, fp8 (e4m3, per-token scale), int8 (per-token scale) "
+                         "or int4 (groups of 32). fp8 keeps about 1/7 of int8's error at the same size.", "fp8")
     teacher: str = _doc(
         "What the teacher distribution is recomputed from: last_hidden (through the frozen lm_head) or topk.", "last_hidden"
     )
@@ -391,10 +393,7 @@ def _check_self_prompts(data: DataConfig) -> None:
     if (data.self_prompt_categories or data.self_prompt_turns > 1) and not data.self_prompts:
         raise EyasError("data.self_prompt_categories and data.self_prompt_turns steer target-written prompts, but "
                         "data.self_prompts is 0; set data.self_prompts to the number of conversations to write")
-    if data.self_prompt_categories:
-        from eyas.data.self_prompts import parse_categories
-
-        parse_categories(data.self_prompt_categories)  # an EyasError names an entry that is not a category
+    parse_categories(data.self_prompt_categories)  # an EyasError names an entry that is not a category
     if data.source == "none" and not data.self_prompts:
         raise EyasError("data.source is 'none' and data.self_prompts is 0: there is no data; set data.self_prompts "
                         "to the number of conversations to write, or name a data source")

@@ -30,6 +30,17 @@ def tiny_qwen2_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def parity_drafts(tmp_path_factory) -> dict:
+    """The real-data eagle3 and eagle drafts the vLLM tests serve, trained once per session
+    (`tests/test_vllm_parity.py`); the mtp test trains on the same prepared data and shards.
+    EYAS_PARITY_RUN_DIR keeps (and reuses) them between runs."""
+    from test_vllm_parity import train_parity_drafts
+
+    keep = os.environ.get("EYAS_PARITY_RUN_DIR")
+    return train_parity_drafts(Path(keep) if keep else tmp_path_factory.mktemp("parity"))
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The real SmolLM2-135M-Instruct, converted once into the user cache (slow tests only)."""
     from eyas.targets import SMOLLM2_ALIAS, resolve_target_path

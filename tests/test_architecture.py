@@ -75,7 +75,7 @@ def test_data_flows_one_way():
 
 def test_function_local_eyas_imports_say_why():
     bare = []
-    for name, path in _modules():
+    for _, path in _modules():
         lines = path.read_text().splitlines()
         for node, imported, in_function in _eyas_imports(ast.parse("\n".join(lines))):
             if not in_function:

@@ -10,8 +10,14 @@ import pytest
 import yaml
 
 from eyas.config import (
-    Recipe, apply_overrides, check_against_target, default_layers, load_recipe, parse_loss_mix,
-    reference_markdown, save_resolved,
+    Recipe,
+    apply_overrides,
+    check_against_target,
+    default_layers,
+    load_recipe,
+    parse_loss_mix,
+    reference_markdown,
+    save_resolved,
 )
 from eyas.errors import EyasError
 

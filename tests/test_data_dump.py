@@ -18,7 +18,7 @@ from eyas.config import load_recipe
 from eyas.data import dump as dump_module
 from eyas.data.dump import dump
 from eyas.data.prepare import load_prepared, prepare
-from eyas.data.shards import ShardReader, encode, decode, verify
+from eyas.data.shards import ShardReader, decode, encode, verify
 from eyas.data.vocab import load_vocab
 from eyas.errors import EyasError
 

@@ -12,14 +12,10 @@ from eyas.config import load_recipe
 from eyas.data.prepare import load_prepared, prepare
 from eyas.data.self_prompts import (
     DUPLICATE,
-    FOLLOW_UP,
     NEAR_DUPLICATE,
-    STEERS,
-    Category,
     add_follow_ups,
     category_mix,
     hf_prompt_sampler,
-    parse_categories,
     quotas,
     regenerate_unreplied,
     turn_mix,
@@ -28,6 +24,7 @@ from eyas.data.self_prompts import (
 )
 from eyas.data.sources import Skips
 from eyas.errors import EyasError
+from eyas.steering import FOLLOW_UP, STEERS, Category, parse_categories
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
 

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import torch
+from test_eval_exact import VOCAB, tiny_vocab_target
 
+from eyas.decode import SamplingParams
 from eyas.eval.decoder import SpeculativeDecoder
 from eyas.eval.drafts import MixtureDraft
 from eyas.eval.tree import parse_shape
-from eyas.decode import SamplingParams
-
-from test_eval_exact import VOCAB, tiny_vocab_target
 
 torch.set_num_threads(1)
 

@@ -20,10 +20,10 @@ import itertools
 import pytest
 import torch
 
+from eyas.decode import SamplingParams, process_logits
 from eyas.eval import verify as verify_mod
 from eyas.eval.drafts import truncated_target
 from eyas.eval.tree import build_tree, parse_shape
-from eyas.decode import SamplingParams, process_logits
 from eyas.eval.verify import verify_sampled
 
 torch.set_num_threads(1)

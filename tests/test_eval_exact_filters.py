@@ -3,9 +3,9 @@ method and tables in test_eval_exact.py."""
 
 from __future__ import annotations
 
-from eyas.decode import SamplingParams
-
 from test_eval_exact import check_exact, tables  # noqa: F401  (the module-scoped tables fixture)
+
+from eyas.decode import SamplingParams
 
 
 def test_filtered_sampling_matches_filtered_target_distribution(tables):  # noqa: F811

@@ -14,15 +14,15 @@ import pytest
 import torch
 
 from eyas.config import DraftConfig, default_layers
+from eyas.decode import SamplingParams, stop_token_ids
+from eyas.draft.blocks import TTTCache
+from eyas.draft.checkpoint import save_draft
+from eyas.draft.registry import build_head
 from eyas.errors import EyasError
 from eyas.eval.decoder import SpeculativeDecoder, target_generate
 from eyas.eval.head_draft import load_head_draft
 from eyas.eval.tree import parse_shape
-from eyas.decode import SamplingParams, stop_token_ids
 from eyas.targets import load_target_config, target_identity
-from eyas.draft.blocks import TTTCache
-from eyas.draft.checkpoint import save_draft
-from eyas.draft.registry import build_head
 
 torch.set_num_threads(1)
 GREEDY = SamplingParams(0.0)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from eyas.decode import SamplingParams, stop_token_ids
 from eyas.eval.decoder import SpeculativeDecoder, target_generate
 from eyas.eval.drafts import LMDraft, truncated_target
 from eyas.eval.tree import parse_shape
-from eyas.decode import SamplingParams, stop_token_ids
 
 GREEDY = SamplingParams(0.0)
 PROMPTS = ["Write a haiku about autumn leaves.", "How do I reverse a list in Python?",

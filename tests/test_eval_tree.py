@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from eyas.decode import cache_kwarg, new_cache
+from eyas.decode import SamplingParams, cache_kwarg, new_cache
 from eyas.eval.kv import keep_positions, tree_mask
 from eyas.eval.tree import build_tree, new_tree, parse_shape
-from eyas.decode import SamplingParams
 
 torch.set_num_threads(1)
 

@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eyas.config import DraftConfig
-from eyas.errors import EyasError
-from eyas.train import export
 from eyas.draft.checkpoint import save_draft
 from eyas.draft.registry import build_head
+from eyas.errors import EyasError
+from eyas.train import export
 
 DRAFT_VOCAB = 100
 
@@ -276,7 +276,7 @@ def test_rope_scaling_survives_the_round_trip(tmp_path):
         assert layer["rope_scaling"] == {k: v for k, v in rope.items() if k != "rope_theta"}
         back = export.load_exported(out, target.get_input_embeddings().weight.detach())
         # llama3 scaling rescales the low RoPE frequencies: a lost or altered scaling changes the logits
-        for (h0, l0), (h1, l1) in zip(step_outputs(head, "eagle3"), step_outputs(back, "eagle3")):
+        for (_, l0), (_, l1) in zip(step_outputs(head, "eagle3"), step_outputs(back, "eagle3")):
             assert torch.equal(l0, l1)
 
 

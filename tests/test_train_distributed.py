@@ -89,8 +89,8 @@ def _initial_fc(workspace) -> torch.Tensor:
 
     from eyas.config import DraftConfig
     from eyas.data.vocab import load_vocab
-    from eyas.targets import load_target_config
     from eyas.draft.registry import build_head
+    from eyas.targets import load_target_config
 
     set_seed(0)
     config = load_target_config(str(workspace["target"]))

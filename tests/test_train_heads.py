@@ -8,10 +8,10 @@ import torch
 from train_helpers import draft_cfg, synthetic_batch, tiny_d2t, tiny_target_config
 from transformers import DynamicCache
 
-from eyas.errors import EyasError
 from eyas.draft.blocks import DecoderLayer, TTTCache
 from eyas.draft.checkpoint import load_draft, save_draft
 from eyas.draft.registry import build_head, head_class
+from eyas.errors import EyasError
 
 EAGLE3_KEYS = [
     "d2t", "embed_tokens.weight", "fc.weight", "lm_head.weight", "midlayer.hidden_norm.weight",

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from train_helpers import make_workspace, new_run
 
 from eyas.config import load_recipe
-from eyas.errors import EyasError
 from eyas.draft.checkpoint import load_draft
+from eyas.errors import EyasError
 from eyas.train.checkpoint import list_checkpoints
 from eyas.train.data import check_shards_fit
 from eyas.train.loop import train
-from train_helpers import make_workspace, new_run
 
 ROWS = 48
 

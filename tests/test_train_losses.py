@@ -12,7 +12,14 @@ from train_helpers import draft_cfg, synthetic_batch, tiny_d2t, tiny_target_conf
 from eyas.config import parse_loss_mix
 from eyas.draft.registry import build_head
 from eyas.train.losses import (
-    Teacher, forward_kl, hard_ce, jensen_shannon, position_losses, soft_cross_entropy, step_losses, total_variation,
+    Teacher,
+    forward_kl,
+    hard_ce,
+    jensen_shannon,
+    position_losses,
+    soft_cross_entropy,
+    step_losses,
+    total_variation,
 )
 from eyas.train.ttt import unroll
 

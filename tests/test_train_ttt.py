@@ -107,7 +107,7 @@ def test_no_leak_from_future_positions_or_other_slots():
     outs = []
     for b in (batch, changed):
         logits = []
-        handle = head.lm_head.register_forward_hook(lambda m, i, o: logits.append(o.detach()))
+        handle = head.lm_head.register_forward_hook(lambda m, i, o, out=logits: out.append(o.detach()))
         try:
             unroll(head, b, teacher, 4, MIX, token_feed="draft")
         finally:

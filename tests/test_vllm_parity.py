@@ -93,12 +93,6 @@ def train_parity_drafts(root: Path) -> dict[str, Path]:
 # ----------------------------------------------------------------------------- both engines
 
 
-@pytest.fixture(scope="module")
-def parity_drafts(tmp_path_factory) -> dict[str, Path]:
-    keep = os.environ.get("EYAS_PARITY_RUN_DIR")
-    return train_parity_drafts(Path(keep) if keep else tmp_path_factory.mktemp("parity"))
-
-
 def _measure(drafts: dict[str, Path], dtype: str, out: Path) -> dict:
     """eyas eval (chain:1, chain:3) and vLLM (target alone, target + each draft at K=1, 3), same prompts."""
     import torch

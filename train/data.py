@@ -11,14 +11,19 @@ would use it, with the file, what differs and the fix.
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
+from safetensors import safe_open
 
+from eyas.data.shards import MANIFEST, ShardReader
 from eyas.errors import EyasError
+from eyas.targets import load_target_config, resolve_target_path
 
 
 def check_shards_fit(manifest: dict, kind: str, hidden_size: int, recipe_layers: list[int], where: Path) -> list[int]:
@@ -50,8 +55,6 @@ def check_shards_fit(manifest: dict, kind: str, hidden_size: int, recipe_layers:
 
 def open_shards(run_dir: Path, kind: str, hidden_size: int, recipe_layers: list[int], identity: str) -> dict:
     """Train and held-out readers (held-out None when not dumped) and the fused layers."""
-    from eyas.data.shards import MANIFEST, ShardReader
-
     root = Path(run_dir) / "shards"
     reader = ShardReader(root, expect_identity=identity)
     layers = check_shards_fit(reader.manifest, kind, hidden_size, recipe_layers, root)
@@ -105,7 +108,7 @@ class BatchStream:
         except BaseException as exc:  # handed to the consumer, raised there
             self._queue.put(exc)
 
-    def __iter__(self) -> "BatchStream":
+    def __iter__(self) -> BatchStream:
         return self
 
     def __next__(self) -> tuple[dict, dict]:
@@ -139,12 +142,6 @@ def read_target_weights(target_path: str, trust_remote_code: bool = False
     Llama/Qwen-style names are tried first; other layouts ask the model class itself (built on
     the meta device); without safetensors files the whole target is loaded instead.
     """
-    import json
-
-    from safetensors import safe_open
-
-    from eyas.targets import load_target_config, resolve_target_path
-
     folder = resolve_target_path(target_path)
     config = load_target_config(target_path, trust_remote_code=trust_remote_code)
     index = Path(folder) / "model.safetensors.index.json"
@@ -190,8 +187,6 @@ def _parameter_names(config: Any, trust_remote_code: bool = False) -> tuple[str,
 
 def _weights_from_full_model(target_path: str, trust_remote_code: bool = False):
     from transformers import AutoModelForCausalLM
-
-    from eyas.targets import resolve_target_path
 
     model = AutoModelForCausalLM.from_pretrained(resolve_target_path(target_path), dtype=torch.float32,
                                                  trust_remote_code=trust_remote_code)

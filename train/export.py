@@ -74,24 +74,24 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from eyas.config import load_recipe
+from eyas.draft.checkpoint import CONFIG_FILE, MODEL_FILE, read_draft_config
+from eyas.draft.config import FORMAT_VERSION as HEAD_FORMAT_VERSION
+from eyas.draft.registry import HEADS, head_from_config
 from eyas.errors import EyasError
+from eyas.targets import load_target_config
+from eyas.train.checkpoint import best_checkpoint
 
 FORMATS = ("sglang", "vllm")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 MARKER = "eyas_export.json"
 SPECULATORS_VERSION = "0.3.0"
 
-# Engine architecture per (kind, format).
-ARCHITECTURES = {
-    ("eagle3", "sglang"): "LlamaForCausalLMEagle3",
-    ("eagle", "sglang"): "LlamaForCausalLMEagle",
-    ("mtp", "sglang"): "EyasMultiLayerMTP",
-    ("eagle3", "vllm"): "Eagle3Speculator",
-    ("eagle", "vllm"): "EagleLlamaForCausalLM",
-    ("mtp", "vllm"): "EyasLlamaMTP",  # eyas's own vLLM plugin (eyas.serving.vllm_mtp; see "vLLM mtp" below)
-}
-# The `method` of vLLM's --speculative-config, per kind.
-VLLM_METHODS = {"eagle3": "eagle3", "eagle": "eagle", "mtp": "mtp"}
+# Engine architecture per (kind, format), and the `method` of vLLM's --speculative-config per kind,
+# as each head kind declares them (eyas/draft/<kind>.py). mtp -> vllm is eyas's own plugin
+# (eyas.serving.vllm_mtp; see "vLLM mtp" below).
+ARCHITECTURES = {(kind, fmt): arch for kind, cls in HEADS.items() for fmt, arch in cls.export_architectures.items()}
+VLLM_METHODS = {kind: cls.vllm_method for kind, cls in HEADS.items() if cls.vllm_method}
 # The vLLM release these formats were loaded and served by (tests/test_vllm_parity.py).
 VLLM_VERIFIED = "0.32.0"
 # Per-step MTP model classes SGLang has, by target family.
@@ -351,7 +351,6 @@ def head_config_from_export(config: dict) -> dict:
         rope.update(layer["rope_scaling"])
     num_layers = int(config.get("num_nextn_predict_layers", 1)) if kind == "mtp" else 1
     bias = bool(layer.get("attention_bias", False))
-    from eyas.draft.config import FORMAT_VERSION as HEAD_FORMAT_VERSION
 
     return {
         "format": "eyas-draft", "format_version": HEAD_FORMAT_VERSION, "kind": kind,
@@ -411,7 +410,6 @@ def _target_facts(target_path: str | None) -> dict:
     """Path, architectures and max_position_embeddings of the target, when it is known."""
     if not target_path:
         return {}
-    from eyas.targets import load_target_config
 
     config = load_target_config(target_path)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -446,8 +444,6 @@ def _prepare_out(out: Path) -> None:
 def export_draft(checkpoint: str | Path, fmt: str, out: str | Path, dtype: str = "bfloat16",
                  speculative_tokens: int = 0, target_path: str | None = None) -> Path:
     """Write `checkpoint` (an eyas draft directory) to `out` in `fmt`; returns `out`."""
-    from eyas.draft.checkpoint import CONFIG_FILE, MODEL_FILE, read_draft_config
-
     if fmt not in FORMATS:
         raise EyasError(f"--to '{fmt}' is not a format; choose one of: {', '.join(FORMATS)}")
     if dtype not in DTYPES:
@@ -551,8 +547,6 @@ def load_exported(directory: str | Path, embed_tokens: torch.Tensor, lm_head: to
     The embedding (and for eagle/mtp the lm_head) is the target's, exactly as the engines
     share it; pass the target's tensors.
     """
-    from eyas.draft.registry import head_from_config
-
     directory = Path(directory)
     config = json.loads((directory / "config.json").read_text())
     fmt = "vllm" if export_format(config) == "vllm" else "sglang"
@@ -595,9 +589,6 @@ def resolve_job(args: argparse.Namespace) -> dict:
     source, out, overrides = _split_positionals(args.positionals)
     path = Path(source)
     if path.is_file() and path.suffix in (".yaml", ".yml"):
-        from eyas.config import load_recipe
-        from eyas.train.checkpoint import best_checkpoint
-
         recipe = load_recipe(path, overrides)
         checkpoint = Path(recipe.export.checkpoint) if recipe.export.checkpoint else best_checkpoint(recipe.run_dir)
         if checkpoint is None:

@@ -322,7 +322,10 @@ class Trainer:
     def _check_target(self, target_model: Any) -> Any:
         """The target's config, checked against the recipe; sets the target identity."""
         recipe = self.recipe
-        target_config = target_model.config if target_model is not None else load_target_config(recipe.target.path, trust_remote_code=recipe.target.trust_remote_code)
+        if target_model is not None:
+            target_config = target_model.config
+        else:
+            target_config = load_target_config(recipe.target.path, trust_remote_code=recipe.target.trust_remote_code)
         check_against_target(recipe, target_config)
         self.identity = target_identity(target_config, load_tokenizer(recipe.target))
         return target_config

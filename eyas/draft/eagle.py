@@ -20,6 +20,8 @@ from eyas.draft.head import DraftHead
 class EagleHead(DraftHead):
     kind = "eagle"
     feature_regression = True
+    export_architectures = {"sglang": "LlamaForCausalLMEagle", "vllm": "EagleLlamaForCausalLM"}
+    vllm_method = "eagle"
 
     def _build(self, cfg: HeadConfig) -> None:
         self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)

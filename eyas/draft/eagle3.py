@@ -23,6 +23,8 @@ class Eagle3Head(DraftHead):
     kind = "eagle3"
     feature = "aux_hidden"
     supports_draft_vocab = True
+    export_architectures = {"sglang": "LlamaForCausalLMEagle3", "vllm": "Eagle3Speculator"}
+    vllm_method = "eagle3"
 
     @classmethod
     def trains_lm_head(cls, draft_cfg: Any) -> bool:

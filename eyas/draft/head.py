@@ -42,6 +42,9 @@ class DraftHead(nn.Module):
     feature_regression: ClassVar[bool] = False
     # may predict over the reduced draft vocabulary (d2t/t2d); else always the target's full one
     supports_draft_vocab: ClassVar[bool] = False
+    # what `eyas export` writes it as: engine architecture per format, and vLLM's speculative `method`
+    export_architectures: ClassVar[dict[str, str]] = {}
+    vllm_method: ClassVar[str] = ""
 
     def __init__(self, cfg: HeadConfig, d2t: torch.Tensor | None = None) -> None:
         super().__init__()

@@ -29,6 +29,10 @@ class MTPHead(DraftHead):
     shares_layer = False
     default_token_feed = "data"
     supports_draft_vocab = True
+    # SGLang: per-step layers under model.mtp.layers.{k} (no SGLang class for Llama targets: the
+    # architecture is a placeholder); vLLM: eyas's own plugin (eyas.serving.vllm_mtp)
+    export_architectures = {"sglang": "EyasMultiLayerMTP", "vllm": "EyasLlamaMTP"}
+    vllm_method = "mtp"
 
     @classmethod
     def layers_for(cls, draft_cfg: Any) -> int:
