@@ -37,19 +37,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from eyas.config import check_against_target, default_layers, save_resolved
+from eyas.config import Recipe, check_against_target, default_layers, save_resolved
 from eyas.data.prepare import load_prepared, prepared_info, tokenizer_identity
 from eyas.data.shards import (
     MANIFEST,
     SCHEMA_VERSION,
-    atomic_write_json,
     budget_batches,
     build_index,
     check_shard,
     encode,
     ids_dtype,
     read_sidecar,
-    remove_stale_temps,
     shard_name,
     wait_for,
     write_shard,
@@ -57,6 +55,7 @@ from eyas.data.shards import (
 from eyas.data.vocab import count_tokens, write_vocab
 from eyas.draft.registry import head_class
 from eyas.errors import EyasError
+from eyas.io import atomic_write_json, remove_stale_temps
 from eyas.targets import IDENTITY_SCHEME, load_target, target_identity
 
 PLAN = "plan.json"
@@ -356,7 +355,7 @@ def finalize_split(out_dir: Path, num_shards: int, header: dict, wait: bool, pla
 # ----------------------------------------------------------------------------- the stage
 
 
-def dump(recipe: Any, model: Any = None, tokenizer: Any = None) -> dict | None:
+def dump(recipe: Recipe, model: Any = None, tokenizer: Any = None) -> dict | None:
     """Run the stage; returns the train manifest (None on ranks/tasks that don't write it)."""
     rank, world, co_launched = distributed_env()
     run_dir = recipe.run_dir

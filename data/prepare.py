@@ -36,7 +36,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from eyas.config import save_resolved
+from eyas.config import Recipe, save_resolved
 from eyas.data.regenerate import regenerate_rows
 from eyas.data.self_prompts import category_mix, parse_categories, regenerate_unreplied, self_prompt_rows, turn_mix
 from eyas.data.sources import Skips, first_turns, load_rows, split_heldout
@@ -349,7 +349,7 @@ def prepared_info(run_dir: str | Path) -> dict:
 # ----------------------------------------------------------------------------- the stage
 
 
-def prepare(recipe: Any, tokenizer: Any = None, model: Any = None) -> dict:
+def prepare(recipe: Recipe, tokenizer: Any = None, model: Any = None) -> dict:
     """Run the whole stage for a recipe; returns the info dict written to prepared/info.json."""
     out_dir = recipe.run_dir / "prepared"
     parse_categories(recipe.data.self_prompt_categories)  # a bad category is refused before any work

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from eyas.config import Recipe
 from eyas.decode import SamplingParams, plain_decode, seeded_generator, stop_token_ids, token_chooser
 from eyas.errors import EyasError
 from eyas.targets import load_target
@@ -190,7 +191,7 @@ def endpoint_generator(endpoint: str, model: str, max_new_tokens: int, temperatu
 # ----------------------------------------------------------------------------- the step
 
 
-def regenerate_rows(rows: list[dict], recipe: Any, tokenizer: Any, model: Any = None) -> list[dict]:
+def regenerate_rows(rows: list[dict], recipe: Recipe, tokenizer: Any, model: Any = None) -> list[dict]:
     """The prepare step: rows with assistant turns rewritten by the target (text rows unchanged)."""
     from tqdm import tqdm
 

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from eyas.config import Recipe
 from eyas.data.regenerate import hf_generator
 from eyas.decode import SamplingParams, plain_decode, seeded_generator, stop_token_ids, token_chooser
 from eyas.errors import EyasError
@@ -261,7 +262,7 @@ def regenerate_unreplied(rows: list[dict], regenerate: Callable[[list[dict]], li
     return out
 
 
-def self_prompt_rows(recipe: Any, model: Any, tokenizer: Any, skips: Any) -> list[dict]:
+def self_prompt_rows(recipe: Recipe, model: Any, tokenizer: Any, skips: Any) -> list[dict]:
     """The prepare step: `data.self_prompts` target-written conversations (one or two user turns)."""
     from tqdm import tqdm
 

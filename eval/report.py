@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from eyas.io import atomic_write_json
 
 MAX_ALPHA_COLUMNS = 7
 
@@ -116,9 +117,7 @@ def print_report(report: dict, console=None) -> None:
 def write_json(report: dict, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2, default=str))
-    tmp.replace(path)
+    atomic_write_json(path, report)
     return path
 
 

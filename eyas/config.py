@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from eyas.errors import EyasError
+from eyas.io import atomic_write_text
 from eyas.steering import parse_categories
 
 
@@ -500,9 +501,7 @@ def save_resolved(recipe: Recipe, directory: str | Path, name: str = "recipe.yam
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     out = directory / name
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
-    tmp.replace(out)
+    atomic_write_text(out, yaml.safe_dump(recipe.to_dict(), sort_keys=False))
     return out
 
 

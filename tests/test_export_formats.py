@@ -290,3 +290,15 @@ def test_mtp_over_a_reduced_vocabulary_is_refused_with_the_fix(tiny_target, tmp_
     assert head.lm_head.weight.shape[0] == DRAFT_VOCAB and not head.lm_head.weight.requires_grad
     with pytest.raises(EyasError, match="use_draft_vocab=false"):
         export.export_draft(checkpoint_of(head, tmp_path / "ckpt"), "sglang", tmp_path / "out")
+
+
+def test_another_vllm_release_is_refused_with_the_fix(monkeypatch):
+    """A vLLM whose release differs from the one the formats were matched with is an error naming both."""
+    from eyas.eval.engine_vllm import check_vllm_version
+
+    check_vllm_version("0.32.0", "0.32.0")
+    check_vllm_version("0.32.1", "0.32.0")  # a patch release keeps the model classes
+    with pytest.raises(EyasError, match=r"vLLM 0\.33\.0 is installed.*0\.32\.0.*EYAS_VLLM_ANY_VERSION=1"):
+        check_vllm_version("0.33.0", "0.32.0")
+    monkeypatch.setenv("EYAS_VLLM_ANY_VERSION", "1")
+    check_vllm_version("0.33.0", "0.32.0")

@@ -102,7 +102,7 @@ def test_the_real_probe_measures_this_machine():
 
 def test_prepare_regenerates_with_the_machines_dtype(tmp_path, tiny_llama_dir, cpu, monkeypatch):
     """data.regenerate_dtype: auto reaches load_target as bfloat16 on a native CPU, float32 elsewhere."""
-    import eyas.targets
+    import eyas.data.prepare
     from eyas.data.prepare import prepare
 
     seen = []
@@ -114,7 +114,7 @@ def test_prepare_regenerates_with_the_machines_dtype(tmp_path, tiny_llama_dir, c
         seen.append(target.dtype)
         raise Stop
 
-    monkeypatch.setattr(eyas.targets, "load_target", fake_load_target)
+    monkeypatch.setattr(eyas.data.prepare, "load_target", fake_load_target)  # the name prepare calls
     source = tmp_path / "rows.jsonl"
     source.write_text(json.dumps({"id": "a", "messages": [{"role": "user", "content": "hi"},
                                                           {"role": "assistant", "content": "hello"}]}) + "\n")
