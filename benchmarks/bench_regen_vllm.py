@@ -25,19 +25,6 @@ from machine import machine, versions  # benchmarks/machine.py
 RESULTS = Path(__file__).parent / "results" / "bench_regen_vllm.json"
 
 
-def first_exchanges(count: int) -> list[dict]:
-    from eyas.data.sources import chitchat_rows
-
-    rows = []
-    for row in chitchat_rows():
-        user = next((m for m in row["messages"] if m["role"] == "user"), None)
-        if user and len(user["content"]) < 400:
-            rows.append({"id": str(len(rows)), "messages": [{"role": "user", "content": user["content"]}]})
-        if len(rows) == count:
-            break
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--conversations", type=int, default=128)
@@ -49,13 +36,14 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from eyas.data.regenerate import endpoint_generator, endpoint_model, hf_generator, regenerate_conversations
+    from eyas.data.sources import chitchat_openings
     from eyas.eval.engine_vllm import VllmServer, require_vllm
     from eyas.targets import SMOLLM2_ALIAS, resolve_target_path
 
     vllm_version = require_vllm()
     target = resolve_target_path(SMOLLM2_ALIAS)
     tokenizer = AutoTokenizer.from_pretrained(target)
-    rows = first_exchanges(args.conversations)
+    rows = chitchat_openings(args.conversations)
 
     def prompt_tokens(messages):
         return len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from eyas.config import Recipe
-from eyas.decode import SamplingParams, plain_decode, seeded_generator, stop_token_ids, token_chooser
+from eyas.decode import SamplingParams, left_padded, plain_decode, seeded_generator, stop_token_ids, token_chooser
 from eyas.errors import EyasError
 from eyas.targets import load_target
 
@@ -119,12 +119,7 @@ def hf_generator(model: Any, tokenizer: Any, max_new_tokens: int, temperature: f
 
     def generate(prompts: list[list[dict]]) -> list[str]:
         texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
-        side = tokenizer.padding_side
-        tokenizer.padding_side = "left"
-        try:
-            enc = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt").to(device)
-        finally:
-            tokenizer.padding_side = side
+        enc = left_padded(tokenizer, texts, device)
         new = plain_decode(model, enc["input_ids"], enc["attention_mask"], max_new_tokens, eos_ids, choose)
         new = [seq[:-1] if seq and seq[-1] in eos else seq for seq in new]  # the reply, without its EOS
         return [tokenizer.decode(seq, skip_special_tokens=True).strip() for seq in new]

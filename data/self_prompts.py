@@ -43,7 +43,7 @@ import torch
 
 from eyas.config import Recipe
 from eyas.data.regenerate import hf_generator
-from eyas.decode import SamplingParams, plain_decode, seeded_generator, stop_token_ids, token_chooser
+from eyas.decode import SamplingParams, left_padded, plain_decode, seeded_generator, stop_token_ids, token_chooser
 from eyas.errors import EyasError
 from eyas.ngrams import NearDuplicates
 from eyas.steering import FOLLOW_UP, Category, Steer, parse_categories
@@ -191,12 +191,7 @@ def hf_prompt_sampler(model: Any, tokenizer: Any, max_new_tokens: int, temperatu
             return []
         heads = [user_header(tokenizer, s.system if s else "", histories[i] if histories else None)
                  + (s.opener if s else "") for i, s in enumerate(steers)]
-        side = tokenizer.padding_side
-        tokenizer.padding_side = "left"
-        try:
-            enc = tokenizer(heads, add_special_tokens=False, padding=True, return_tensors="pt").to(device)
-        finally:
-            tokenizer.padding_side = side
+        enc = left_padded(tokenizer, heads, device)
         texts = _decode_new(tokenizer, plain_decode(model, enc["input_ids"], enc["attention_mask"], max_new_tokens,
                                                     stop_ids, choose), stops)
         return [None if t is None else (s.opener if s else "") + t for s, t in zip(steers, texts)]

@@ -102,6 +102,19 @@ def chitchat_rows() -> list[dict]:
     return rows
 
 
+def chitchat_openings(count: int, max_chars: int = 400) -> list[dict]:
+    """Prompt-only rows: the opening user turn of the first `count` chitchat conversations whose
+    opening is under `max_chars` characters (what regeneration benchmarks and tests reply to)."""
+    rows = []
+    for row in chitchat_rows():
+        user = next((m for m in row["messages"] if m["role"] == "user"), None)
+        if user and len(user["content"]) < max_chars:
+            rows.append({"id": str(len(rows)), "messages": [{"role": "user", "content": user["content"]}]})
+        if len(rows) == count:
+            break
+    return rows
+
+
 def normalize_row(row: Any, row_id: str, fmt: str = "auto") -> dict:
     """One raw row -> `{"id", "messages"}` or `{"id", "text"}`; ValueError says why it can't be."""
     if not isinstance(row, dict):

@@ -118,6 +118,17 @@ def stop_token_ids(model: Any, tokenizer: Any = None) -> list[int]:
     return sorted(int(e) for e in eos)
 
 
+def left_padded(tokenizer: Any, texts: list[str], device: Any) -> dict:
+    """A batch of texts tokenised with padding on the left (what a decode loop continues), without
+    changing the tokenizer's own padding side."""
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        return tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt").to(device)
+    finally:
+        tokenizer.padding_side = side
+
+
 def cache_kwarg(model: Any) -> str:
     """The forward() keyword for the KV cache: `cache` in transformers >= 5.x, else `past_key_values`."""
     params = inspect.signature(model.forward).parameters

@@ -29,6 +29,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from eyas.data.sources import chitchat_openings
+
 # Training the two drafts (~10 min on 2 idle cores) runs in the first test's fixture: past the
 # suite's 900 s default.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
@@ -196,20 +198,6 @@ def test_vllm_serves_the_export_with_eyas_acceptance(parity, kind, k):
 # ----------------------------------------------------------------------------- regeneration
 
 
-def first_exchanges(count: int) -> list[dict]:
-    """The first user turn of `count` chitchat conversations, as prompt-only rows."""
-    from eyas.data.sources import chitchat_rows
-
-    rows = []
-    for row in chitchat_rows():
-        user = next((m for m in row["messages"] if m["role"] == "user"), None)
-        if user and len(user["content"]) < 400:
-            rows.append({"id": str(len(rows)), "messages": [{"role": "user", "content": user["content"]}]})
-        if len(rows) == count:
-            break
-    return rows
-
-
 def regenerate_both(rows: list[dict], target_dir: Path, log: Path, max_new_tokens: int, batch_size: int) -> dict:
     """Replies from the built-in batched loop and from `vllm serve` (fp32, T=0), with wall times."""
     import time
@@ -250,7 +238,7 @@ def _first_difference(a: str, b: str) -> int:
 
 def test_regeneration_through_vllm_serve_equals_the_builtin_loop(tmp_path, smollm2_dir):
     """`data.regenerate_endpoint` against a real `vllm serve` (loopback, bounded, stopped by PID)."""
-    rows = first_exchanges(24)
+    rows = chitchat_openings(24)
     got = regenerate_both(rows, smollm2_dir, tmp_path / "server.log", max_new_tokens=48, batch_size=8)
     with pytest.raises(ProcessLookupError):  # the server's process group is gone
         os.killpg(got["pid"], 0)
