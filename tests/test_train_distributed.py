@@ -30,7 +30,10 @@ def workspace(tmp_path_factory, tiny_llama_dir):
         "run": {"output_dir": str(ws["root"])},
         "dump": {"draft_vocab_size": 128},
         "train": {"token_budget": 400, "max_steps": 4, "ttt_steps": 3, "save_every": 0, "eval_every": 0,
-                  "log_every": 1, "warmup_steps": 1, "lr": 1e-3, "eval_batches": 2},
+                  "log_every": 1, "warmup_steps": 1, "lr": 1e-3, "eval_batches": 2,
+                  # fp32 whatever the CPU (auto picks bf16 where it is native): the process-count
+                  # equalities below are properties of fp32 arithmetic
+                  "mixed_precision": "fp32"},
     }
     ws["recipe"] = ws["root"] / "recipe.yaml"
     ws["recipe"].write_text(yaml.safe_dump(recipe))

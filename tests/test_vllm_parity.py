@@ -48,7 +48,7 @@ BASE_RECIPE = {
     "train": {"token_budget": 2048, "lr": 1.0e-3, "warmup_steps": 8, "ttt_steps": 3, "mixed_precision": "bf16",
               "eval_every": 0, "save_every": 0, "log_every": 10, "eval_batches": 2},
 }
-KINDS = {"eagle3": {"draft": {"kind": "eagle3"}, "train": {"epochs": 6}},
+KINDS = {"eagle3": {"draft": {"kind": "eagle3"}, "train": {"epochs": 12}},
          # EAGLE-1 predicts over the full 49,152-token vocabulary: each step costs ~4x more.
          "eagle": {"draft": {"kind": "eagle"}, "train": {"epochs": 2}}}
 

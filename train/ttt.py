@@ -137,8 +137,11 @@ class TrainingUnroll(nn.Module):
                 "feature_loss_sum": result.feature_loss_sum}
 
 
-def head_state(unroll_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A `TrainingUnroll` state_dict with the head's own names."""
+def head_state(unroll_state: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+    """A `TrainingUnroll` state_dict with the head's own names (None stays None: under ZeRO-3 only
+    the main process receives the gathered weights)."""
+    if unroll_state is None:
+        return None
     return {name.removeprefix("head."): tensor for name, tensor in unroll_state.items()}
 
 
