@@ -184,7 +184,7 @@ def test_vllm_serves_the_export_with_eyas_acceptance(parity, kind, k):
         assert row["eyas"]["matched"] == row["eyas"]["compared"] == parity["prompts"], row
         assert parity["eyas_target_equals_vllm_target"] == parity["prompts"]
     # A trained draft (a random one accepts nothing): every position's count is exercised.
-    # Measured with this recipe: cumulative 0.30-0.41 / 0.037-0.051 / 0.0047-0.023, 1-5 tokens at depth 3.
+    # Measured with this recipe (12-epoch eagle3, 2-epoch eagle): cumulative 0.30-0.51 / 0.035-0.21 / 0.004-0.062, 1-11 tokens at depth 3.
     cumulative = row["vllm"]["cumulative"]
     assert cumulative[0] > 0.25 and (k == 1 or cumulative[1] > 0.02), cumulative
     assert all(a >= 1 for a in row["vllm"]["accepted_per_pos"]), row["vllm"]["accepted_per_pos"]
