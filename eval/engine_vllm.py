@@ -276,12 +276,7 @@ def parity_tolerance(rounds_eyas: int, rounds_vllm: int, eyas: list[float], vllm
     return out
 
 
-def stop_ids(target: Any, tokenizer: Any) -> list[int]:
-    """The tokens that end a decode in eyas's decoder (its EOS and the generation config's)."""
-    return list(stop_token_ids(target, tokenizer))
-
-
-def _strip_eos(ids: list[int], eos: Any) -> list[int]:
+def strip_eos(ids: list[int], eos: Any) -> list[int]:
     ids, stop = list(ids), set(eos)
     while ids and ids[-1] in stop:
         ids.pop()
@@ -313,7 +308,7 @@ def parity_report(builtin: dict, served: list[VllmResult], labels: dict[str, str
             "gap": [b - a for a, b in zip(eyas["cumulative"], vllm["cumulative"])], "tolerance": tolerance,
             "within_tolerance": all(abs(b - a) <= t for a, b, t in zip(eyas["cumulative"], vllm["cumulative"],
                                                                         tolerance)),
-            "vllm_equals_vllm_target": sum(_strip_eos(a, eos) == _strip_eos(b, eos)
+            "vllm_equals_vllm_target": sum(strip_eos(a, eos) == strip_eos(b, eos)
                                            for a, b in zip(result.outputs, target.outputs)),
         }
     return report
@@ -381,7 +376,7 @@ def engine_eval(specs: list[str], shapes: list, encoded: list, builtin: dict, ta
     max_len = max(len(e.ids) for e in encoded) + max_new_tokens + 16
     served = offline_runs(target_dir, [e.ids for e in encoded], max_new_tokens, runs, dtype=dtype,
                           max_model_len=max(max_len, 256), seed=seed, log=out_dir / "vllm.log")
-    report = parity_report(builtin, served, labels, stop_ids(target, tokenizer))
+    report = parity_report(builtin, served, labels, stop_token_ids(target, tokenizer))
     report.update(vllm_version=version, dtype=dtype, prompts=len(encoded), max_new_tokens=max_new_tokens,
                   exports=exported, log=str(out_dir / "vllm.log"))
     return report

@@ -132,7 +132,8 @@ def fresh_partial(final: Path) -> Path:
     return partial
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this PID exists (one of another user's counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -150,7 +151,7 @@ def remove_stale_temps(directory: Path | str) -> list[Path]:
         return removed
     for path in directory.rglob(".*.tmp.*"):
         match = _TEMP.match(path.name)
-        if match and path.is_file() and not _pid_alive(int(match.group(1))):
+        if match and path.is_file() and not pid_alive(int(match.group(1))):
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed

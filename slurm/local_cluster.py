@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eyas.errors import EyasError
+from eyas.io import pid_alive
 
 DAEMONS = ("slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scontrol", "squeue", "scancel", "sinfo", "srun")
@@ -154,12 +155,8 @@ def _spawn(name: str, args: list[str], directory: Path, env: dict) -> int:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not pid_alive(pid):
         return False
-    except PermissionError:
-        return True
     # A zombie child of ours still answers kill(0); reap it if it is ours.
     try:
         done, _ = os.waitpid(pid, os.WNOHANG)

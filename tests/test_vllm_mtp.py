@@ -108,14 +108,14 @@ def mtp_draft(parity_drafts, tmp_path_factory) -> Path:
 def measure(checkpoint: Path, out: Path, dtype: str = "float32") -> dict:
     """eyas eval (chain:1, chain:3) and vLLM (target alone, target + the mtp export at K=1, 3), same prompts."""
     import torch
+    from test_vllm_parity import training_openings
 
     from eyas.config import TargetConfig
+    from eyas.decode import SamplingParams, stop_token_ids
     from eyas.eval.drafts import make_draft
-    from eyas.eval.engine_vllm import VllmRun, format_parity, offline_runs, parity_report, stop_ids
-    from eyas.eval.prompts import load_prompts
+    from eyas.eval.engine_vllm import VllmRun, format_parity, offline_runs, parity_report
     from eyas.eval.runner import encode_prompts, evaluate
     from eyas.eval.tree import parse_shape
-    from eyas.eval.verify import SamplingParams
     from eyas.targets import load_target, resolve_target_path
     from eyas.train.export import export_draft
 
@@ -123,21 +123,14 @@ def measure(checkpoint: Path, out: Path, dtype: str = "float32") -> dict:
     run_dir = checkpoint.parent.parent
     target, tokenizer = load_target(TargetConfig(path="smollm2-135m-instruct", dtype=dtype))
     greedy = SamplingParams(0.0)
-    # Openings of the training conversations, as tests/test_vllm_parity.py takes them: the draft is
-    # accepted at every depth there, so each position's count is exercised (parity is the property).
-    from eyas.data.prepare import load_prepared
-
-    rows = load_prepared(run_dir, "train")
-    prompt_file = out / "prompts.jsonl"
-    prompt_file.write_text("".join(json.dumps({"messages": list(m)}) + "\n" for m in rows["messages"][:PROMPTS]))
-    prompts, _ = load_prompts(str(prompt_file), None, PROMPTS)
+    prompts = training_openings(run_dir, out, PROMPTS)  # the parity tests' prompts
     shapes = [parse_shape(f"chain:{k}") for k in KS]
     encoded, _ = encode_prompts(prompts, tokenizer, target, NEW_TOKENS, 4)
     assert len(encoded) >= 8, f"only {len(encoded)} prompts"
     head = make_draft(str(checkpoint), target, tokenizer, greedy, target_path="smollm2-135m-instruct")
     # With the target-alone baseline: eyas's own drafted outputs are checked against its greedy decode too.
     builtin = evaluate(target, tokenizer, [head], shapes, encoded, greedy, NEW_TOKENS, baseline=True, progress=False)
-    eos = stop_ids(target, tokenizer)
+    eos = stop_token_ids(target, tokenizer)
 
     target_dir = resolve_target_path("smollm2-135m-instruct")
     export = export_draft(checkpoint, "vllm", out / f"export-mtp-{dtype}", dtype=dtype, speculative_tokens=max(KS),

@@ -95,18 +95,30 @@ def train_parity_drafts(root: Path) -> dict[str, Path]:
 # ----------------------------------------------------------------------------- both engines
 
 
+def training_openings(run_dir: Path, out: Path, count: int) -> list:
+    """Eval prompts from the openings of the run's training conversations: the draft has learned
+    the target's replies to them, so it is accepted at every depth and each position's count is
+    exercised (parity is the property here, not held-out quality, which docs/results.md measures)."""
+    from eyas.data.prepare import load_prepared
+    from eyas.eval.prompts import load_prompts
+
+    rows = load_prepared(run_dir, "train")
+    prompt_file = out / "prompts.jsonl"
+    prompt_file.write_text("".join(json.dumps({"messages": list(m)}) + "\n" for m in rows["messages"][:count]))
+    return load_prompts(str(prompt_file), None, count)[0]
+
+
 def _measure(drafts: dict[str, Path], dtype: str, out: Path) -> dict:
     """eyas eval (chain:1, chain:3) and vLLM (target alone, target + each draft at K=1, 3), same prompts."""
     import torch
 
     from eyas.config import TargetConfig
+    from eyas.decode import SamplingParams, stop_token_ids
     from eyas.eval.decoder import target_decode
     from eyas.eval.drafts import make_draft
-    from eyas.eval.engine_vllm import VllmRun, offline_runs, parity_report, stop_ids
-    from eyas.eval.prompts import load_prompts
+    from eyas.eval.engine_vllm import VllmRun, offline_runs, parity_report, strip_eos
     from eyas.eval.runner import encode_prompts, evaluate
     from eyas.eval.tree import parse_shape
-    from eyas.eval.verify import SamplingParams
     from eyas.targets import load_target, resolve_target_path
     from eyas.train.export import export_draft
 
@@ -114,22 +126,14 @@ def _measure(drafts: dict[str, Path], dtype: str, out: Path) -> dict:
     run_dir = drafts["eagle3"].parent.parent
     target, tokenizer = load_target(TargetConfig(path="smollm2-135m-instruct", dtype=dtype))
     greedy = SamplingParams(0.0)
-    # Openings of the training conversations: the draft has learned the target's replies to
-    # them, so it is accepted at every depth and each position's count is exercised (parity is
-    # the property here, not held-out quality, which the README's results measure).
-    from eyas.data.prepare import load_prepared
-
-    rows = load_prepared(run_dir, "train")
-    prompt_file = out / "prompts.jsonl"
-    prompt_file.write_text("".join(json.dumps({"messages": list(m)}) + "\n" for m in rows["messages"][:PROMPTS]))
-    prompts, _ = load_prompts(str(prompt_file), None, PROMPTS)
+    prompts = training_openings(run_dir, out, PROMPTS)
     shapes = [parse_shape("chain:1"), parse_shape("chain:3")]
     encoded, _ = encode_prompts(prompts, tokenizer, target, NEW_TOKENS, 4)
     assert len(encoded) >= 8, f"only {len(encoded)} held-out prompts"
     heads = [make_draft(str(checkpoint), target, tokenizer, greedy, target_path="smollm2-135m-instruct")
              for checkpoint in drafts.values()]
     builtin = evaluate(target, tokenizer, heads, shapes, encoded, greedy, NEW_TOKENS, baseline=True, progress=False)
-    eos = stop_ids(target, tokenizer)
+    eos = stop_token_ids(target, tokenizer)
     reference = [target_decode(target, e.ids, NEW_TOKENS, greedy, eos, 0) for e in encoded]
 
     target_dir = resolve_target_path("smollm2-135m-instruct")
@@ -143,16 +147,9 @@ def _measure(drafts: dict[str, Path], dtype: str, out: Path) -> dict:
     labels = {f"{kind} chain:{k}": f"{heads[i].name} chain:{k}" for i, kind in enumerate(drafts) for k in (1, 3)}
     report = parity_report(builtin, served, labels, eos)
     report.update(dtype=dtype, prompts=len(encoded), max_new_tokens=NEW_TOKENS,
-                  eyas_target_equals_vllm_target=sum(_strip(a, eos) == _strip(b, eos)
+                  eyas_target_equals_vllm_target=sum(strip_eos(a, eos) == strip_eos(b, eos)
                                                      for a, b in zip(reference, served[0].outputs)))
     return report
-
-
-def _strip(ids: list[int], eos: set[int] | list[int]) -> list[int]:
-    ids = list(ids)
-    while ids and ids[-1] in set(eos):
-        ids.pop()
-    return ids
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])

@@ -29,9 +29,7 @@ class EagleHead(DraftHead):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def step(self, k, input_ids, feature, position_ids, attention_mask=None, past_key_values=None):
-        embeds = self.embed_tokens(input_ids)
-        feature = feature.to(embeds.dtype)
-        cos, sin = self.rotary(feature, position_ids, input_ids.shape[0])
+        embeds, feature, cos, sin = self.step_inputs(input_ids, feature, position_ids)
         x = self.fc(torch.cat([embeds, feature], dim=-1))
         hidden = self.layers[0](x, cos, sin, attention_mask, past_key_values, 0)
         return hidden, self.lm_head(hidden)  # EAGLE-1 regresses the post-norm feature: no final norm

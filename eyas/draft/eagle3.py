@@ -41,9 +41,7 @@ class Eagle3Head(DraftHead):
         return self.fc(features.to(self.fc.weight.dtype))
 
     def step(self, k, input_ids, feature, position_ids, attention_mask=None, past_key_values=None):
-        embeds = self.embed_tokens(input_ids)
-        feature = feature.to(embeds.dtype)
-        cos, sin = self.rotary(feature, position_ids, input_ids.shape[0])
+        embeds, feature, cos, sin = self.step_inputs(input_ids, feature, position_ids)
         hidden = self.midlayer(embeds, feature, cos, sin, attention_mask, past_key_values, 0)
         return hidden, self.lm_head(self.norm(hidden))
 

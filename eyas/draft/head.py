@@ -132,11 +132,15 @@ class DraftHead(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def rotary(self, feature: torch.Tensor, position_ids: torch.Tensor, batch: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def step_inputs(self, input_ids: torch.Tensor, feature: torch.Tensor, position_ids: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What every kind's `step` starts from: (token embeddings, the feature in their dtype, RoPE cos, sin)."""
+        embeds = self.embed_tokens(input_ids)
+        feature = feature.to(embeds.dtype)
         if position_ids.dim() == 1:
-            position_ids = position_ids.unsqueeze(0).expand(batch, -1)
-        return self.rotary_emb(feature, position_ids)
+            position_ids = position_ids.unsqueeze(0).expand(input_ids.shape[0], -1)
+        cos, sin = self.rotary_emb(feature, position_ids)
+        return embeds, feature, cos, sin
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocabulary ids to target ids (identity without a reduced vocabulary)."""

@@ -29,8 +29,8 @@ class MTPHead(DraftHead):
     shares_layer = False
     default_token_feed = "data"
     supports_draft_vocab = True
-    # SGLang: per-step layers under model.mtp.layers.{k} (no SGLang class for Llama targets: the
-    # architecture is a placeholder); vLLM: eyas's own plugin (eyas.serving.vllm_mtp)
+    # SGLang: per-step layers under model.mtp.layers.{k}, named for SGLang's multi-layer worker
+    # (SGLang has no class of that name for Llama targets yet); vLLM: eyas's plugin (eyas.serving.vllm_mtp)
     export_architectures = {"sglang": "EyasMultiLayerMTP", "vllm": "EyasLlamaMTP"}
     vllm_method = "mtp"
 
@@ -45,9 +45,7 @@ class MTPHead(DraftHead):
     def step(self, k, input_ids, feature, position_ids, attention_mask=None, past_key_values=None):
         if not 0 <= k < self.num_layers:
             raise IndexError(f"mtp head has {self.num_layers} layers; step {k} does not exist")
-        embeds = self.embed_tokens(input_ids)
-        feature = feature.to(embeds.dtype)
-        cos, sin = self.rotary(feature, position_ids, input_ids.shape[0])
+        embeds, feature, cos, sin = self.step_inputs(input_ids, feature, position_ids)
         layer = self.layers[k]
         hidden = layer(embeds, feature, cos, sin, attention_mask, past_key_values, k)
         return hidden, self.lm_head(layer.norm(hidden))
