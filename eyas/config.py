@@ -181,7 +181,8 @@ class TrainConfig:
     max_grad_norm: float = _doc("Gradient clipping norm (0: off).", 0.5)
     ttt_steps: int = _doc("eagle3/mtp: training-time-test unroll length.", 7)
     ttt_decay: float = _doc("Weight of unrolled step k is ttt_decay**k.", 0.8)
-    loss: str = _doc("Distribution loss: forward_kl, ce, tv, jsd, or a mix like `forward_kl:0.9,ce:0.1`.", "forward_kl")
+    loss: str = _doc("Distribution loss: forward_kl, ce, tv, jsd, lk (-log of the acceptance rate), "
+                     "or a mix like `forward_kl:0.9,ce:0.1`.", "forward_kl")
     feature_loss_weight: float = _doc("eagle: weight of the smooth-L1 feature regression.", 1.0)
     teacher_chunk: int = _doc("Positions per chunk when recomputing the teacher through lm_head.", 2048)
     mixed_precision: str = _doc(
@@ -278,7 +279,7 @@ CHOICES = {
     "eval.engine": ("builtin", "vllm"),
     "export.dtype": ("bfloat16", "float16", "float32"),
 }
-LOSS_NAMES = ("forward_kl", "ce", "tv", "jsd")
+LOSS_NAMES = ("forward_kl", "ce", "tv", "jsd", "lk")
 
 _POSITIVE = ["train.lr", "train.token_budget", "train.grad_accum", "train.ttt_steps", "train.teacher_chunk",
              "train.log_every", "draft.num_steps", "data.max_length", "data.num_proc",

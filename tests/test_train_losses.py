@@ -16,6 +16,7 @@ from eyas.train.losses import (
     forward_kl,
     hard_ce,
     jensen_shannon,
+    negative_log_acceptance,
     position_losses,
     soft_cross_entropy,
     step_losses,
@@ -48,14 +49,38 @@ def test_losses_match_their_definitions():
     assert torch.allclose(forward_kl(logp, logp), torch.zeros(6), atol=1e-6)
 
 
+def test_lk_is_minus_log_acceptance_and_pushes_q_up_only_where_it_is_below_p():
+    t_logits, d_logits = _pair(3)
+    logp = t_logits.log_softmax(-1)
+    z = d_logits.clone().requires_grad_()
+    logq = z.log_softmax(-1)
+    p, q = logp.exp(), logq.exp()
+    accept = torch.minimum(p, q).sum(-1)
+    lk = negative_log_acceptance(logp, logq)
+    torch.testing.assert_close(lk, -accept.log())
+    torch.testing.assert_close(accept, 1 - total_variation(logp, logq))  # sum min(p, q) = 1 - TV
+    assert torch.allclose(negative_log_acceptance(logp, logp), torch.zeros(6), atol=1e-6)
+    # d(-log alpha)/dq_v = -1/alpha where q_v < p_v and 0 where q_v > p_v: a gradient step
+    # raises the tokens the draft under-proposes and leaves the over-proposed ones to the softmax
+    grad_logq = torch.autograd.grad(lk.sum(), logq)[0]  # = dL/dq * q
+    under = q < p
+    torch.testing.assert_close(grad_logq[under], (-q / accept.unsqueeze(-1))[under])
+    assert (grad_logq[~under] == 0).all()
+    disjoint = torch.full((1, 4), float("-inf"))
+    disjoint[0, 0] = 0.0
+    other = torch.full((1, 4), float("-inf"))
+    other[0, 1] = 0.0
+    assert torch.isfinite(negative_log_acceptance(disjoint, other)).all()  # floored, not inf
+
+
 def test_mix_is_the_weighted_sum():
     t_logits, d_logits = _pair(1)
     logp = t_logits.log_softmax(-1)
     labels = torch.arange(6)
-    mix = position_losses(d_logits, logp, labels, "forward_kl:0.9,ce:0.1,tv:0.5,jsd:2")
+    mix = position_losses(d_logits, logp, labels, "forward_kl:0.9,ce:0.1,tv:0.5,jsd:2,lk:0.3")
     logq = d_logits.log_softmax(-1)
     ref = 0.9 * forward_kl(logp, logq) + 0.1 * hard_ce(logq, labels) + 0.5 * total_variation(logp, logq) \
-        + 2 * jensen_shannon(logp, logq)
+        + 2 * jensen_shannon(logp, logq) + 0.3 * negative_log_acceptance(logp, logq)
     torch.testing.assert_close(mix, ref)
     assert parse_loss_mix("forward_kl:0.9,ce:0.1") == {"forward_kl": 0.9, "ce": 0.1}
 
@@ -73,7 +98,7 @@ def test_fused_soft_cross_entropy_matches_autograd_reference():
     (reference * g).sum().backward()
     torch.testing.assert_close(z1.grad, z2.grad)
     labels = torch.arange(7)
-    mix = {"forward_kl": 0.7, "ce": 0.2, "tv": 0.1, "jsd": 0.5}
+    mix = {"forward_kl": 0.7, "ce": 0.2, "tv": 0.1, "jsd": 0.5, "lk": 0.4}
     p = logp.exp()
     torch.testing.assert_close(step_losses(d_logits, p, (p * logp).sum(-1), labels, mix),
                                position_losses(d_logits, logp, labels, mix))
@@ -144,6 +169,7 @@ PINNED = {
     "ce": [2.552198886871338, 2.5830554962158203, 2.7579402923583984],
     "tv": [0.9888602495193481, 0.9890938401222229, 0.9894850850105286],
     "jsd": [0.6671313047409058, 0.6674196720123291, 0.6686360239982605],
+    "lk": [4.670246124267578, 4.683587551116943, 4.751718997955322],  # >= -log(1 - tv) per step (Jensen)
 }
 
 

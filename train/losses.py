@@ -12,6 +12,9 @@ Per-position losses over the draft vocabulary, p = teacher, q = draft:
   ce          -log q[label], label = the data's next token (0 where it is not in the draft vocab)
   tv          1/2 sum |p - q|
   jsd         1/2 KL(p || m) + 1/2 KL(q || m), m = (p + q) / 2
+  lk          -log sum min(p, q): minus the log of the one-step acceptance rate of speculative
+              sampling (sum min(p, q) = 1 - tv), the direct acceptance objective published as an
+              "LK loss"; forward KL pulls q towards p everywhere, this only where q is below p
 A mix (`train.loss: forward_kl:0.9,ce:0.1`) is the weighted sum. The trainer computes
 forward KL as soft cross-entropy (logsumexp(z) - p.z, one fused autograd function) plus the
 teacher's sum p log p, precomputed once per batch with its probabilities and argmax
@@ -57,7 +60,13 @@ def jensen_shannon(teacher_logp: torch.Tensor, draft_logq: torch.Tensor) -> torc
     return 0.5 * _xlogy_ratio(p, teacher_logp, log_m) + 0.5 * _xlogy_ratio(q, draft_logq, log_m)
 
 
-LOSSES = {"forward_kl": forward_kl, "tv": total_variation, "jsd": jensen_shannon}
+def negative_log_acceptance(teacher_logp: torch.Tensor, draft_logq: torch.Tensor) -> torch.Tensor:
+    """-log sum_v min(p_v, q_v); the acceptance is floored at the dtype's tiny so a disjoint pair is finite."""
+    accept = torch.minimum(teacher_logp.exp(), draft_logq.exp()).sum(-1)
+    return -torch.log(accept.clamp_min(torch.finfo(accept.dtype).tiny))
+
+
+LOSSES = {"forward_kl": forward_kl, "tv": total_variation, "jsd": jensen_shannon, "lk": negative_log_acceptance}
 
 
 def position_losses(draft_logits: torch.Tensor, teacher_logp: torch.Tensor, labels: torch.Tensor,
