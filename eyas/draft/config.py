@@ -15,7 +15,12 @@ from typing import Any
 from eyas.errors import EyasError
 
 FORMAT = "eyas-draft"
-FORMAT_VERSION = 1
+# The newest format this eyas reads. 2 added EAGLE-3's normalisation variants (`norm_before_fc`,
+# `norm_before_residual`): a config is written with the lowest version that describes it
+# (`HeadConfig.written_version`), so a head without them stays version 1 and an eyas from before
+# them still reads it, while a variant head (which such an eyas would build without its extra norm,
+# or with the wrong residual) is refused there with "upgrade eyas".
+FORMAT_VERSION = 2
 
 # Families whose q/k/v projections always carry a bias although their config has no
 # `attention_bias` field (transformers hard-codes it).
@@ -24,7 +29,7 @@ _QKV_BIAS_FAMILIES = ("qwen2", "qwen2_moe", "qwen2_vl")
 # Fields that must agree for a resume (or a warm start) to make sense.
 RESUME_FIELDS = ("kind", "num_layers", "mtp_feed", "aux_layers", "hidden_size", "intermediate_size",
                  "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "draft_vocab_size",
-                 "target_identity")
+                 "target_identity", "norm_before_fc", "norm_before_residual")
 
 
 @dataclass
@@ -55,6 +60,12 @@ class HeadConfig:
     tie_word_embeddings: bool = False
     target_identity: str = ""
     train_lm_head: bool = False
+    # eagle3 only, EAGLE-3's normalisation variants that vLLM serves (its speculators config flags of
+    # the same names); False is the layout every config before them has.
+    # norm_before_fc: an RMSNorm (`input_norm`, 3H wide) over the three fused target layers before `fc`.
+    norm_before_fc: bool = False
+    # norm_before_residual: the layer's residual stream is hidden_norm(feature) instead of the feature.
+    norm_before_residual: bool = False
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 
@@ -62,6 +73,20 @@ class HeadConfig:
     def reduced_vocab(self) -> bool:
         """Whether the head predicts over a reduced draft vocabulary (d2t/t2d maps)."""
         return self.draft_vocab_size != self.vocab_size
+
+    def __post_init__(self) -> None:
+        # the version this config is written as; derived, so a read-back or replaced config compares equal
+        self.format_version = self.written_version
+
+    @property
+    def variants(self) -> list[str]:
+        """The normalisation variants this head has on (empty for the EAGLE-3 layout of the paper)."""
+        return [name for name in ("norm_before_fc", "norm_before_residual") if getattr(self, name)]
+
+    @property
+    def written_version(self) -> int:
+        """The lowest format version that describes this head (see FORMAT_VERSION)."""
+        return 2 if self.variants else 1
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -83,11 +108,18 @@ class HeadConfig:
             raise EyasError(f"'{where}' lacks {', '.join(missing)}; the checkpoint is damaged")
         values = {k: v for k, v in data.items() if k in names}
         values.setdefault("train_lm_head", data.get("kind") == "eagle3")  # configs from before the field existed
-        return cls(**values)
+        config = cls(**values)
+        if config.variants and config.kind != "eagle3":
+            raise EyasError(f"'{where}' is a {config.kind} draft with {', '.join(config.variants)} set, which only "
+                            "an eagle3 head has; the config was edited by hand or is damaged")
+        return config
 
     def resume_differences(self, other: HeadConfig | dict) -> list[str]:
         """What differs from `other` (a saved config) in the fields a resume depends on."""
-        saved = other.to_dict() if isinstance(other, HeadConfig) else other
+        saved = other.to_dict() if isinstance(other, HeadConfig) else dict(other)
+        for f in dataclasses.fields(self):  # a field newer than the checkpoint reads as its default, as from_dict does
+            if f.name not in saved and f.default is not dataclasses.MISSING:
+                saved[f.name] = f.default
         mine = self.to_dict()
         return [f"{key}: checkpoint {saved.get(key)!r} vs this run {mine.get(key)!r}"
                 for key in RESUME_FIELDS if saved.get(key) != mine.get(key)]
