@@ -187,6 +187,13 @@ class TrainConfig:
     max_grad_norm: float = _doc("Gradient clipping norm (0: off).", 0.5)
     ttt_steps: int = _doc("eagle3/mtp: training-time-test unroll length.", 7)
     ttt_decay: float = _doc("Weight of unrolled step k is ttt_decay**k.", 0.8)
+    ttt_ramp_steps: int = _doc(
+        "eagle3/mtp: start the unroll shallow: depth 1 at step 0, one step deeper every ttt_ramp_steps/ttt_steps "
+        "optimizer steps, the full ttt_steps from then on (0: full depth from the start).", 0)
+    draft_init: str = _doc(
+        "random (normal(0, initializer_range)) or target_last_layer: the draft's decoder layer(s) start from the "
+        "target's last decoder layer where shapes allow (attention, MLP, norms; eagle3's q/k/v in their feature half).",
+        "random")
     loss: str = _doc("Distribution loss: forward_kl, ce, tv, jsd, lk (-log of the acceptance rate), "
                      "or a mix like `forward_kl:0.9,ce:0.1`.", "forward_kl")
     feature_loss_weight: float = _doc("eagle: weight of the smooth-L1 feature regression.", 1.0)
@@ -280,6 +287,7 @@ CHOICES = {
     "train.source": ("shards", "online"),
     "train.mixed_precision": ("auto", "fp32", "no", "bf16", "fp16"),
     "train.ttt_token_feed": ("auto", "draft", "data"),
+    "train.draft_init": ("random", "target_last_layer"),
     "train.logger": ("none", "wandb", "tensorboard"),
     "export.to": ("sglang", "vllm"),
     "eval.engine": ("builtin", "vllm"),
@@ -292,7 +300,8 @@ _POSITIVE = ["train.lr", "train.token_budget", "train.grad_accum", "train.ttt_st
              "data.regenerate_max_new_tokens", "data.regenerate_batch_size", "dump.token_budget",
              "dump.shard_tokens", "dump.topk", "eval.max_new_tokens", "eval.answer_tokens", "data.self_prompt_temperature", "train.epochs",
              "train.keep_last", "train.eval_batches"]
-_NON_NEGATIVE = ["train.prefetch", "train.max_steps", "data.max_turns", "train.warmup_steps", "train.weight_decay", "train.max_grad_norm",
+_NON_NEGATIVE = ["train.ttt_ramp_steps",
+                 "train.prefetch", "train.max_steps", "data.max_turns", "train.warmup_steps", "train.weight_decay", "train.max_grad_norm",
                  "train.eval_every", "train.save_every", "train.feature_loss_weight", "data.max_samples", "data.self_prompts",
                  "data.regenerate_temperature", "dump.draft_vocab_size", "draft.intermediate_size",
                  "eval.max_prompts", "eval.temperature", "eval.top_k", "export.num_speculative_tokens"]

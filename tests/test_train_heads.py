@@ -179,3 +179,28 @@ def test_bad_d2t_is_refused():
     bad[-1] = 10_000
     with pytest.raises(EyasError, match="outside the target vocabulary"):
         build_head(draft_cfg("eagle3"), tc, d2t=bad)
+
+
+def test_init_layers_from_target_copies_what_fits_and_says_what_it_kept():
+    from eyas.draft.head import init_layers_from_target
+
+    torch.manual_seed(0)
+    tc = tiny_target_config()
+    hidden, inter = tc.hidden_size, tc.intermediate_size
+    heads_dim = tc.num_attention_heads * (hidden // tc.num_attention_heads)
+    kv_dim = tc.num_key_value_heads * (hidden // tc.num_attention_heads)
+    layer = {"self_attn.q_proj.weight": torch.randn(heads_dim, hidden), "self_attn.k_proj.weight": torch.randn(kv_dim, hidden),
+             "self_attn.v_proj.weight": torch.randn(kv_dim, hidden), "self_attn.o_proj.weight": torch.randn(hidden, heads_dim),
+             "mlp.gate_proj.weight": torch.randn(inter, hidden), "mlp.up_proj.weight": torch.randn(inter, hidden),
+             "mlp.down_proj.weight": torch.randn(hidden, inter), "input_layernorm.weight": torch.rand(hidden),
+             "post_attention_layernorm.weight": torch.rand(hidden)}
+    eagle = build_head(draft_cfg("eagle"), tc)  # EAGLE-1's layer 0 has no input norm: nothing takes that tensor
+    copied, kept = init_layers_from_target(eagle, layer)
+    assert sorted(copied) == sorted(f"layers.0.{n}" for n in layer if n != "input_layernorm.weight") and kept == []
+    assert torch.equal(eagle.layers[0].mlp.up_proj.weight, layer["mlp.up_proj.weight"])
+    narrow = build_head(draft_cfg("eagle3", intermediate_size=inter // 2), tc, d2t=tiny_d2t())
+    fc_before = narrow.fc.weight.clone()
+    copied, kept = init_layers_from_target(narrow, layer)
+    assert sorted(kept) == [f"midlayer.mlp.{n}_proj.weight" for n in ("down", "gate", "up")]  # another width
+    assert "midlayer.self_attn.k_proj.weight (feature half)" in copied and "midlayer.hidden_norm.weight" in copied
+    assert torch.equal(narrow.fc.weight, fc_before)  # not a layer tensor: untouched

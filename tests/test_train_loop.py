@@ -250,3 +250,62 @@ def test_full_disk_during_a_save_is_one_clear_error(workspace, monkeypatch):
     ckpts = workspace["root"] / "disk-full" / "checkpoints"
     assert [p.name for p in list_checkpoints(ckpts)] == ["step_00000002"]
     assert not list(ckpts.glob("*.partial"))
+
+
+def _target_layer(target_dir: Path) -> tuple[int, dict]:
+    """The tiny target's last decoder layer, named as inside the layer."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
+    last = model.config.num_hidden_layers - 1
+    return last, {k: v for k, v in model.model.layers[last].state_dict().items()}
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+def test_draft_init_from_the_targets_last_layer(workspace, kind, capsys):
+    from eyas.train.loop import Trainer
+
+    last, layer = _target_layer(workspace["target"])
+    recipe = _recipe(workspace, f"init_{kind}", f"draft.kind={kind}", "train.draft_init=target_last_layer")
+    head = Trainer(recipe).model.head
+    blocks = [head.midlayer] if kind == "eagle3" else list(head.layers)
+    hidden = layer["self_attn.o_proj.weight"].shape[0]
+    for block in blocks:
+        for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight", "mlp.gate_proj.weight",
+                     "post_attention_layernorm.weight", "input_layernorm.weight"):
+            assert torch.equal(block.get_parameter(name), layer[name]), name
+        q = block.self_attn.q_proj.weight
+        if kind == "eagle3":  # reads concat(embedding, feature): the target's q in the feature half only
+            assert torch.equal(q[:, hidden:], layer["self_attn.q_proj.weight"])
+            assert not torch.equal(q[:, :hidden], layer["self_attn.q_proj.weight"])
+            assert torch.equal(block.hidden_norm.weight, layer["input_layernorm.weight"])
+        else:
+            assert torch.equal(q, layer["self_attn.q_proj.weight"])
+    random = _recipe(workspace, f"rand_{kind}", f"draft.kind={kind}")
+    other = Trainer(random).model.head
+    o_proj = (other.midlayer if kind == "eagle3" else other.layers[0]).self_attn.o_proj.weight
+    assert not torch.equal(o_proj, layer["self_attn.o_proj.weight"])  # the default is still the random init
+    result = train(recipe)
+    assert result["outcome"] == "done"
+    assert f"from target layer {last}" in capsys.readouterr().out  # said in the run's first line
+
+
+def test_resume_refuses_a_changed_draft_init(workspace):
+    train(_recipe(workspace, "init-changed"), stop_at_step=2)
+    with pytest.raises(EyasError, match=r"train\.draft_init was 'random', now 'target_last_layer'"):
+        train(_same(workspace, "init-changed", "train.draft_init=target_last_layer"))
+
+
+def test_ttt_ramp_starts_shallow_and_resumes_exactly(workspace):
+    ramp = ("train.ttt_ramp_steps=4",)  # ttt_steps 3: depth 1 + 3s // 4 at 0-based step s
+    full = train(_recipe(workspace, "ramp-full", *ramp))
+    rows = _train_log(workspace["root"] / "ramp-full")
+    assert [r.get("ttt_depth", 3) for r in rows] == [1, 1, 2, 3, 3, 3]
+    assert ["loss_1" in r for r in rows] == [False, False, True, True, True, True]
+    assert "loss_2" in rows[-1] and "loss_2" not in rows[2]
+    train(_recipe(workspace, "ramp-killed", *ramp), stop_at_step=2)
+    resumed = train(_same(workspace, "ramp-killed", *ramp))
+    a, b = _weights(full["checkpoint"]), _weights(resumed["checkpoint"])
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert [r["loss"] for r in _train_log(workspace["root"] / "ramp-killed")] == [r["loss"] for r in rows]

@@ -142,15 +142,9 @@ def read_target_weights(target_path: str, trust_remote_code: bool = False
     Llama/Qwen-style names are tried first; other layouts ask the model class itself (built on
     the meta device); without safetensors files the whole target is loaded instead.
     """
-    folder = resolve_target_path(target_path)
     config = load_target_config(target_path, trust_remote_code=trust_remote_code)
-    index = Path(folder) / "model.safetensors.index.json"
-    if index.is_file():
-        files = json.loads(index.read_text())["weight_map"]
-    elif (Path(folder) / "model.safetensors").is_file():
-        with safe_open(str(Path(folder) / "model.safetensors"), "pt") as f:
-            files = {k: "model.safetensors" for k in f.keys()}
-    else:
+    files = _safetensors_map(target_path)
+    if files is None:
         return _weights_from_full_model(target_path, trust_remote_code)
 
     embed_name, head_name, norm_name = "model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"
@@ -158,10 +152,7 @@ def read_target_weights(target_path: str, trust_remote_code: bool = False
         embed_name, head_name, norm_name = _parameter_names(config, trust_remote_code)
 
     def read(name: str | None) -> torch.Tensor | None:
-        if name is None or name not in files:
-            return None
-        with safe_open(str(Path(folder) / files[name]), "pt") as f:
-            return f.get_tensor(name).float()
+        return None if name is None else _read_tensor(target_path, files, name)
 
     embed = read(embed_name)
     head = read(head_name)
@@ -170,6 +161,48 @@ def read_target_weights(target_path: str, trust_remote_code: bool = False
     if embed is None or head is None:
         return _weights_from_full_model(target_path, trust_remote_code)
     return embed, head, read(norm_name)
+
+
+def _safetensors_map(target_path: str) -> dict[str, str] | None:
+    """Tensor name -> safetensors file of the target's folder (None: it has no safetensors files)."""
+    folder = Path(resolve_target_path(target_path))
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return json.loads(index.read_text())["weight_map"]
+    if (folder / "model.safetensors").is_file():
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            return {k: "model.safetensors" for k in f.keys()}
+    return None
+
+
+def _read_tensor(target_path: str, files: dict[str, str], name: str) -> torch.Tensor | None:
+    if name not in files:
+        return None
+    with safe_open(str(Path(resolve_target_path(target_path)) / files[name]), "pt") as f:
+        return f.get_tensor(name).float()
+
+
+def read_target_layer(target_path: str, trust_remote_code: bool = False, target_model: Any = None
+                      ) -> tuple[int, dict[str, torch.Tensor]]:
+    """(index, tensors) of the target's last decoder layer, named as inside the layer (`self_attn.o_proj.weight`).
+
+    Read from a loaded `target_model` when given, else straight from the safetensors files
+    (Llama/Qwen names `model.layers.{i}.`); a target of another layout is refused with the fix.
+    """
+    config = getattr(target_model, "config", None) or load_target_config(target_path, trust_remote_code=trust_remote_code)
+    config = getattr(config, "text_config", None) or config
+    last = int(config.num_hidden_layers) - 1
+    prefix = f"model.layers.{last}."
+    if target_model is not None:
+        state = {name: t.detach().float() for name, t in target_model.state_dict().items()}
+    else:
+        files = _safetensors_map(target_path) or {}
+        state = {name: _read_tensor(target_path, files, name) for name in files if name.startswith(prefix)}
+    tensors = {name[len(prefix):]: t for name, t in state.items() if name.startswith(prefix)}
+    if not tensors:
+        raise EyasError(f"train.draft_init=target_last_layer: no '{prefix}*' weights in the target '{target_path}' "
+                        "(not a Llama/Qwen-style layout, or no safetensors files); use train.draft_init=random")
+    return last, tensors
 
 
 def _parameter_names(config: Any, trust_remote_code: bool = False) -> tuple[str, str, str | None]:

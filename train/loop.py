@@ -54,14 +54,14 @@ from eyas.data.prepare import load_prepared
 from eyas.data.shards import TokenBudgetLoader, budget_batches, pad_batch
 from eyas.data.vocab import VOCAB_FILE, build_vocab, count_tokens, load_vocab
 from eyas.draft.checkpoint import save_draft
-from eyas.draft.head import DraftHead, count_parameters
+from eyas.draft.head import DraftHead, count_parameters, init_layers_from_target
 from eyas.draft.registry import build_head, head_class, uses_draft_vocab
 from eyas.errors import EyasError
 from eyas.io import fresh_partial, publish_dir, sha256_file
 from eyas.precision import mixed_precision_for
 from eyas.targets import load_target, load_target_config, load_tokenizer, target_identity
 from eyas.train import checkpoint as ckpt
-from eyas.train.data import BatchStream, open_shards, read_target_weights, to_device
+from eyas.train.data import BatchStream, open_shards, read_target_layer, read_target_weights, to_device
 from eyas.train.losses import Teacher
 from eyas.train.metrics import MetricsLogger, tracker_settings
 from eyas.train.online import OnlineFeatures, PreparedReader
@@ -146,7 +146,8 @@ def set_optimizer_settings(optimizer: torch.optim.Optimizer, cfg: Any) -> None:
 
 # Settings a resume cannot change: they fix the data order, the batch shapes or the numerics of
 # the saved optimizer and data state. Every other train.* setting is applied from the recipe.
-FIXED_ON_RESUME = ("source", "token_budget", "grad_accum", "ttt_steps", "ttt_token_feed", "mixed_precision")
+# draft_init: the resumed weights are the trained ones, so a changed init could not be applied
+FIXED_ON_RESUME = ("source", "token_budget", "grad_accum", "ttt_steps", "ttt_token_feed", "mixed_precision", "draft_init")
 # Settings that do not change a step's numerics and need no word when they differ.
 QUIET_ON_RESUME = ("resume", "log_every", "logger", "wandb_project", "prefetch")
 
@@ -298,7 +299,9 @@ class Trainer:
         # EAGLE-1 trains one step (plus its feature regression); the held-out eval unrolls the full depth
         self.train_steps = 1 if self.kind_class.feature_regression else self.cfg.ttt_steps
         self.eval_steps = self.cfg.ttt_steps
-        unused = not self.kind_class.shares_layer and self.train_steps < recipe.draft.num_steps
+        # per-step layers past the unroll depth get no gradient (always, or while the depth ramps up)
+        unused = not self.kind_class.shares_layer and (self.train_steps < recipe.draft.num_steps
+                                                       or self.cfg.ttt_ramp_steps > 0)
         self.accelerator = make_accelerator(recipe, find_unused=unused)
         self.device = self.accelerator.device
         self.source = open_source(recipe, target_config, self.identity, self.device, target_model)
@@ -336,6 +339,16 @@ class Trainer:
         head = build_head(self.recipe.draft, target_config, self.source.aux_layers, self.source.d2t, self.identity)
         embed, lm_head, norm = self._target_weights(target_model)
         head.init_from_target_weights(embed, lm_head, norm)
+        self.init_note = "random init"
+        if self.cfg.draft_init == "target_last_layer":
+            model = target_model if target_model is not None else getattr(self.source.features, "model", None)
+            index, tensors = read_target_layer(self.recipe.target.path, self.recipe.target.trust_remote_code, model)
+            copied, kept = init_layers_from_target(head, tensors)
+            if not copied:
+                raise EyasError(f"train.draft_init=target_last_layer: no tensor of the target's layer {index} fits the "
+                                f"{self.kind} head (kept: {', '.join(kept[:4])}); use train.draft_init=random")
+            self.init_note = (f"layer(s) from target layer {index}: {len(copied)} tensors copied, {len(kept)} random"
+                              + (f" ({', '.join(kept)})" if kept else ""))
         return head, lm_head
 
     def _build_teacher(self, head: DraftHead, lm_head: torch.Tensor) -> Teacher:
@@ -385,8 +398,17 @@ class Trainer:
 
     # -- one optimizer step
 
+    def unroll_depth(self, step: int) -> int:
+        """Draft steps unrolled at optimizer step `step` (0-based): the full depth, or the ramp's.
+
+        A function of the step alone, so a resumed run unrolls exactly as an uninterrupted one."""
+        ramp, full = self.cfg.ttt_ramp_steps, self.train_steps
+        if ramp <= 0 or full == 1:
+            return full
+        return min(full, 1 + step * full // ramp)
+
     def train_step(self, micro: list[tuple[dict, dict]]) -> dict:
-        acc, steps = self.accelerator, self.train_steps
+        acc, steps = self.accelerator, self.unroll_depth(self.state.step)
         local = torch.zeros(steps, device=self.device)
         for batch, _ in micro:
             mask = batch["loss_mask"].float() * batch["attention_mask"].float()
@@ -412,7 +434,7 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return self._step_metrics(totals.reduced(acc), counts.cpu(), grad_norm, lr)
+        return self._step_metrics(totals.reduced(acc), counts.cpu(), grad_norm, lr, steps)
 
     def _check_finite(self, loss: torch.Tensor, index: int, position: dict) -> None:
         bad = torch.tensor([0.0 if torch.isfinite(loss.detach()).all() else 1.0], device=self.device)
@@ -427,10 +449,12 @@ class Trainer:
             "Lower train.lr or check the shards (eyas.data.shards.verify), then resume from it"
         )
 
-    def _step_metrics(self, totals: Totals, counts: torch.Tensor, grad_norm: Any, lr: float) -> dict:
+    def _step_metrics(self, totals: Totals, counts: torch.Tensor, grad_norm: Any, lr: float, steps: int) -> dict:
         metrics: dict = {"lr": lr}
+        if steps != self.train_steps:
+            metrics["ttt_depth"] = steps
         total = 0.0
-        for k in range(self.train_steps):
+        for k in range(steps):
             loss_k = float(totals.loss[k] / counts[k])
             metrics[f"loss_{k}"] = loss_k
             metrics[f"acc_{k}"] = float(totals.correct[k] / counts[k])
@@ -624,7 +648,9 @@ class Trainer:
         logger.message(
             f"eyas train: {self.kind} head ({trainable:,} trainable of {total:,} parameters), "
             f"{self.total_steps} steps of {acc.num_processes} x {cfg.grad_accum} x {cfg.token_budget} tokens, "
-            f"TTT {self.train_steps} step(s); {self.source.description}; device {self.device}, "
+            f"TTT {self.train_steps} step(s)"
+            + (f" (ramped from 1 over {cfg.ttt_ramp_steps} steps)" if cfg.ttt_ramp_steps and self.train_steps > 1 else "")
+            + f"; {self.init_note}; {self.source.description}; device {self.device}, "
             f"mixed precision {acc.mixed_precision}"
             + (f"; resumed from {self.resumed_from} (step {self.state.step})" if self.resumed_from else ""))
         if self.resumed_from and self.resume_changes:

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from eyas.draft.blocks import rotary_embedding
+from eyas.draft.blocks import DecoderLayer, Eagle3Layer, MTPLayer, rotary_embedding
 from eyas.draft.config import HeadConfig, target_shapes
 from eyas.errors import EyasError
 
@@ -194,6 +194,41 @@ class DraftHead(nn.Module):
             for final_norm in self._final_norms():
                 final_norm.weight.copy_(norm)
         return self
+
+
+# A draft layer's tensor that starts from a target layer tensor of another name: EAGLE-3 normalises
+# the feature with `hidden_norm` where the target normalises its layer input with `input_layernorm`.
+_TARGET_LAYER_ALIASES = {"hidden_norm.weight": "input_layernorm.weight"}
+_DECODER_BLOCKS = (DecoderLayer, Eagle3Layer, MTPLayer)
+
+
+@torch.no_grad()
+def init_layers_from_target(head: DraftHead, target_layer: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    """Start every decoder layer of the head from a target decoder layer where the shapes allow.
+
+    `target_layer`: tensors named as inside the layer (`self_attn.o_proj.weight`). A tensor of the
+    same name and shape is copied; EAGLE-3's q/k/v read concat(embedding, feature) [out, 2H], so
+    the target's [out, H] projection goes into the feature half (the feature is the target's own
+    hidden state, which that projection was trained on) and the embedding half keeps its random
+    init. Tensors the target layer lacks (fc, eh_proj, MTP's enorm/hnorm) or of another shape (a
+    narrower `draft.intermediate_size`) keep theirs. Returns (copied, kept) parameter names.
+    """
+    copied, kept = [], []
+    for prefix, module in head.named_modules():
+        if not isinstance(module, _DECODER_BLOCKS):
+            continue
+        for local, param in module.named_parameters():
+            name = f"{prefix}.{local}"
+            source = target_layer.get(_TARGET_LAYER_ALIASES.get(local, local))
+            if source is not None and source.shape == param.shape:
+                param.copy_(source.to(param.dtype))
+                copied.append(name)
+            elif source is not None and param.dim() == 2 and param.shape == (source.shape[0], 2 * source.shape[1]):
+                param[:, source.shape[1]:].copy_(source.to(param.dtype))
+                copied.append(f"{name} (feature half)")
+            else:
+                kept.append(name)
+    return copied, kept
 
 
 def count_parameters(head: nn.Module) -> tuple[int, int]:
