@@ -16,17 +16,28 @@ Two back ends:
   target), with `regenerate_batch_size` requests in flight; standard library only.
 Greedy at temperature 0, sampling otherwise (seeded by run.seed for the built-in loop).
 Turns whose prompt already fills `data.max_length` are left as they are: prepare would cut them.
+
+Every reply is appended to a reply cache (`<run_dir>/regen_cache.jsonl`, or
+`data.regenerate_cache`) as soon as its batch ends, keyed by the prompt and everything that
+decides the reply (the target's identity and dtype or the endpoint's model, max_new_tokens,
+temperature, seed). An interrupted prepare run again asks the target only for the replies it
+lacks, so a long generation resumes; a cache file carried to another machine resumes there.
+At temperature 0 the replies equal an uninterrupted run's; above 0 the rerun's new replies are
+fresh samples (the built-in loop's random stream depends on the batch).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import time
 import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,7 +45,7 @@ import torch
 from eyas.config import Recipe
 from eyas.decode import SamplingParams, left_padded, plain_decode, seeded_generator, stop_token_ids, token_chooser
 from eyas.errors import EyasError
-from eyas.targets import load_target
+from eyas.targets import load_target, target_identity
 
 
 def with_reply_slots(rows: list[dict]) -> list[dict]:
@@ -63,13 +74,60 @@ def _turn_slots(rows: list[dict]) -> list[list[tuple[int, int]]]:
     return slots
 
 
+class ReplyCache:
+    """Replies already generated, one JSON line each (`{"key": ..., "reply": ...}`), appended per batch.
+
+    `settings`: what decides a reply besides its prompt; a line written under other settings has
+    another key and is never used. A torn last line (a kill mid-write) is ignored on load.
+    """
+
+    def __init__(self, path: Path | None, settings: dict) -> None:
+        self.path = path
+        self.settings = json.dumps(settings, sort_keys=True, default=str)
+        self.replies: dict[str, str] = {}
+        self.reused = 0
+        if path is not None and path.is_file():
+            for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+                try:
+                    entry = json.loads(line)
+                    self.replies[entry["key"]] = entry["reply"]
+                except (ValueError, KeyError, TypeError):
+                    continue
+
+    def key(self, messages: list[dict]) -> str:
+        return hashlib.sha256((self.settings + json.dumps(messages, sort_keys=True)).encode()).hexdigest()[:32]
+
+    def get(self, messages: list[dict]) -> str | None:
+        reply = self.replies.get(self.key(messages))
+        self.reused += reply is not None
+        return reply
+
+    def add(self, pairs: list[tuple[list[dict], str]]) -> None:
+        """Remember replies and append them durably (fsync), so a kill loses at most the batch under way."""
+        lines = []
+        for messages, reply in pairs:
+            key = self.key(messages)
+            self.replies[key] = reply
+            lines.append(json.dumps({"key": key, "reply": reply}, ensure_ascii=False))
+        if self.path is None or not lines:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
 def regenerate_conversations(rows: list[dict], generate: Callable[[list[list[dict]]], list[str]],
                              prompt_tokens: Callable[[list[dict]], int], max_length: int,
-                             batch_size: int, progress: Any = None) -> tuple[list[dict], Counter]:
+                             batch_size: int, progress: Any = None, cache: ReplyCache | None = None
+                             ) -> tuple[list[dict], Counter]:
     """Replace assistant turns in order; `generate` maps a batch of prompts (message lists) to replies.
 
     Returns new rows (see `with_reply_slots`) and counts by outcome; `progress` (tqdm) counts turns.
+    Replies found in `cache` are used without asking `generate`; new ones are added to it.
     """
+    cache = cache or ReplyCache(None, {})
     rows = with_reply_slots(rows)
     turn_slots = _turn_slots(rows)
     if progress is not None:
@@ -90,19 +148,35 @@ def regenerate_conversations(rows: list[dict], generate: Callable[[list[list[dic
                 continue
             jobs.append((length, row_i, msg_i))
         jobs.sort(key=lambda j: (-j[0], j[1]))  # similar lengths together: little padding
-        for start in range(0, len(jobs), batch_size):
-            batch = jobs[start:start + batch_size]
-            replies = generate([rows[r]["messages"][:m] for _, r, m in batch])
+        todo = []
+        for job in jobs:
+            _, row_i, msg_i = job
+            reply = cache.get(rows[row_i]["messages"][:msg_i])
+            if reply is None:
+                todo.append(job)
+            else:
+                _set_reply(rows, row_i, msg_i, reply, stats)
+        if progress is not None and len(todo) < len(jobs):
+            progress.update(len(jobs) - len(todo))
+        for start in range(0, len(todo), batch_size):
+            batch = todo[start:start + batch_size]
+            prompts = [rows[r]["messages"][:m] for _, r, m in batch]
+            replies = generate(prompts)
             for (_, row_i, msg_i), reply in zip(batch, replies):
                 if reply is None:
                     stats["kept: endpoint error"] += 1
                     continue
-                rows[row_i]["messages"][msg_i]["content"] = reply
-                stats["regenerated"] += 1
-                stats["empty reply"] += 0 if reply.strip() else 1
+                _set_reply(rows, row_i, msg_i, reply, stats)
+            cache.add([(p, r) for p, r in zip(prompts, replies) if r is not None])
             if progress is not None:
                 progress.update(len(batch))
     return rows, stats
+
+
+def _set_reply(rows: list[dict], row_i: int, msg_i: int, reply: str, stats: Counter) -> None:
+    rows[row_i]["messages"][msg_i]["content"] = reply
+    stats["regenerated"] += 1
+    stats["empty reply"] += 0 if reply.strip() else 1
 
 
 # ----------------------------------------------------------------------------- the target itself
@@ -186,6 +260,10 @@ def endpoint_generator(endpoint: str, model: str, max_new_tokens: int, temperatu
 # ----------------------------------------------------------------------------- the step
 
 
+def reply_cache_path(recipe: Recipe) -> Path:
+    return Path(recipe.data.regenerate_cache) if recipe.data.regenerate_cache else recipe.run_dir / "regen_cache.jsonl"
+
+
 def regenerate_rows(rows: list[dict], recipe: Recipe, tokenizer: Any, model: Any = None) -> list[dict]:
     """The prepare step: rows with assistant turns rewritten by the target (text rows unchanged)."""
     from tqdm import tqdm
@@ -196,12 +274,16 @@ def regenerate_rows(rows: list[dict], recipe: Recipe, tokenizer: Any, model: Any
         generate = endpoint_generator(data.regenerate_endpoint, name, data.regenerate_max_new_tokens,
                                       data.regenerate_temperature, data.regenerate_batch_size)
         where = f"{data.regenerate_endpoint} ({name})"
+        author = {"endpoint": data.regenerate_endpoint, "model": name}
     else:
         if model is None:
             model, _ = load_target(recipe.target)
         generate = hf_generator(model, tokenizer, data.regenerate_max_new_tokens, data.regenerate_temperature,
                                 recipe.run.seed)
         where = "the target (batched KV-cache loop)"
+        author = {"target": target_identity(model.config, tokenizer), "dtype": str(next(model.parameters()).dtype)}
+    cache = ReplyCache(reply_cache_path(recipe), {**author, "max_new_tokens": data.regenerate_max_new_tokens,
+                                                  "temperature": data.regenerate_temperature, "seed": recipe.run.seed})
 
     def prompt_tokens(messages: list[dict]) -> int:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -209,10 +291,11 @@ def regenerate_rows(rows: list[dict], recipe: Recipe, tokenizer: Any, model: Any
 
     with tqdm(unit="turn", desc="regenerating", dynamic_ncols=True) as progress:
         new_rows, stats = regenerate_conversations(rows, generate, prompt_tokens, data.max_length,
-                                                   data.regenerate_batch_size, progress)
+                                                   data.regenerate_batch_size, progress, cache)
     total = sum(stats.values()) - stats["empty reply"]
     summary = ", ".join(f"{n} {k}" for k, n in sorted(stats.items()) if n)
-    print(f"eyas prepare: regenerated assistant turns with {where}: {summary or 'nothing to do'}", flush=True)
+    reused = f" ({cache.reused} of them from {cache.path})" if cache.reused else ""
+    print(f"eyas prepare: regenerated assistant turns with {where}: {summary or 'nothing to do'}{reused}", flush=True)
     if total and stats["kept: endpoint error"] == total:
         raise EyasError(f"every request to data.regenerate_endpoint '{data.regenerate_endpoint}' failed; check the server log")
     return new_rows

@@ -106,6 +106,9 @@ class DataConfig:
     regenerate_max_new_tokens: int = _doc("Longest regenerated assistant turn, in tokens.", 256)
     regenerate_batch_size: int = _doc("Conversations generated together.", 16)
     regenerate_temperature: float = _doc("Sampling temperature for regeneration (0: greedy).", 0.0)
+    regenerate_cache: str = _doc(
+        "Reply cache of regeneration: every reply is appended as it is made, and a rerun (after a kill, or on "
+        "another machine with the file) reuses the replies it holds (empty: <run_dir>/regen_cache.jsonl).", "")
     regenerate_model: str = _doc("Model name sent to regenerate_endpoint (empty: the first one its /v1/models lists).", "")
     regenerate_dtype: str = _doc(
         "Weights dtype of the target while it regenerates (empty: target.dtype). auto: bfloat16 where the machine "

@@ -11,7 +11,7 @@ import torch
 
 from eyas.config import load_recipe
 from eyas.data.prepare import load_prepared, prepare
-from eyas.data.regenerate import endpoint_generator, hf_generator, regenerate_conversations, regenerate_rows
+from eyas.data.regenerate import ReplyCache, endpoint_generator, hf_generator, regenerate_conversations, regenerate_rows
 
 ROWS = [
     {"id": "a", "messages": [{"role": "user", "content": "Hello, how are you doing today?"},
@@ -188,3 +188,61 @@ class _CountingTokenizer:
 
     def __call__(self, text, add_special_tokens=False):
         return {"input_ids": text.split()}
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_a_killed_regeneration_resumes_from_its_reply_cache(tmp_path):
+    """Replies are kept per batch: the rerun asks only for the rest and ends as an uninterrupted run."""
+    def reply(p):
+        return f"reply {len(p)}: {p[-1]['content']}"
+
+    asked: list = []
+
+    def dies_after_one_batch(prompts):
+        if asked:
+            raise Interrupted
+        asked.extend(prompts)
+        return [reply(p) for p in prompts]
+
+    settings = {"target": "t", "max_new_tokens": 8}
+    path = tmp_path / "cache.jsonl"
+    with pytest.raises(Interrupted):
+        regenerate_conversations(ROWS, dies_after_one_batch, lambda m: 1, max_length=100, batch_size=2,
+                                 cache=ReplyCache(path, settings))
+    assert len(path.read_text().splitlines()) == 2  # the finished batch is on disk
+    with open(path, "a") as f:
+        f.write('{"key": "torn')  # a kill mid-write leaves a torn line: ignored
+    rerun_asked: list = []
+
+    def counting(prompts):
+        rerun_asked.extend(prompts)
+        return [reply(p) for p in prompts]
+
+    cache = ReplyCache(path, settings)
+    resumed, stats = regenerate_conversations(ROWS, counting, lambda m: 1, max_length=100, batch_size=2, cache=cache)
+    uninterrupted, _ = regenerate_conversations(ROWS, lambda ps: [reply(p) for p in ps], lambda m: 1, 100, 2)
+    assert resumed == uninterrupted
+    assert cache.reused == 2 and len(rerun_asked) == 2 and stats["regenerated"] == 4
+    assert not {json.dumps(p) for p in rerun_asked} & {json.dumps(p) for p in asked}  # nothing asked twice
+    other = ReplyCache(path, {**settings, "max_new_tokens": 16})  # another setting: another key, nothing reused
+    regenerate_conversations(ROWS, lambda ps: [reply(p) for p in ps], lambda m: 1, 100, 2, cache=other)
+    assert other.reused == 0
+
+
+def test_prepare_reuses_the_reply_cache_of_an_earlier_run(tmp_path, tiny_llama_dir, fake_server):
+    source = tmp_path / "rows.jsonl"
+    source.write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
+    common = [f"target.path={tiny_llama_dir}", f"data.source={source}", f"run.output_dir={tmp_path}",
+              "data.heldout_fraction=0.0", "data.regenerate=true", f"data.regenerate_endpoint={fake_server}",
+              "data.regenerate_batch_size=2", f"data.regenerate_cache={tmp_path / 'replies.jsonl'}"]
+    prepare(load_recipe(None, common + ["run.name=first"]))
+    assert len(FakeServer.requests) == 4
+    prepare(load_recipe(None, common + ["run.name=second"]))  # another run with the same cache file
+    assert len(FakeServer.requests) == 4  # every reply came from the cache
+    first, second = (load_prepared(tmp_path / name, "train") for name in ("first", "second"))
+    assert [r["messages"] for r in first] == [r["messages"] for r in second]
+    prepare(load_recipe(None, common + ["run.name=third", "data.regenerate_max_new_tokens=20"]))
+    assert len(FakeServer.requests) == 8  # another setting asks again
