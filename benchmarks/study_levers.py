@@ -1,0 +1,205 @@
+"""The training levers, each against the base at equal data and optimizer steps, on one run's data.
+
+    python benchmarks/study_levers.py --data runs/quickstart            # train, eval, report
+    python benchmarks/study_levers.py --data runs/quickstart --stage train --only lk init-target
+    python benchmarks/study_levers.py --data runs/quickstart --stage report
+
+`--data` is a finished run (the quickstart's, or any eagle3 run): its `recipe.yaml`, `prepared/`
+and `shards/` are the base. Every variant below is that recipe plus the overrides its name says
+and `train.max_steps=--steps`, so all of them see the same tokens in the same order (seed 0);
+`base-seed1` and `base-seed2` differ from `base` only in `run.seed` (the init and the data order) and
+give the seed-to-seed spread a lever must beat. Each training run's wall clock is recorded (the
+deeper unrolls cost more per step; that is stated, not hidden).
+
+Eval decodes every draft of a group in one process, interleaved prompt by prompt
+(eyas.eval.runner), at T=0 on the run's held-out chat and on two prompts of each of the 13
+categories of `benchmarks/prompts/broad.jsonl` (both turns of the two-turn ones): the eagle3
+variants with `chain:4`, the 3-layer mtp heads beside the eagle3 base with `chain:3`. Results go to
+benchmarks/results/study_levers.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from machine import machine, versions  # benchmarks/machine.py
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+BROAD = ROOT / "benchmarks" / "prompts" / "broad.jsonl"
+
+# variant -> overrides of the base run's recipe (besides train.max_steps and the run name)
+VARIANTS = {
+    "base": [],
+    "base-seed1": ["run.seed=1"],
+    "base-seed2": ["run.seed=2"],
+    "init-target": ["train.draft_init=target_last_layer"],
+    "lk": ["train.loss=lk"],
+    "kl+lk": ["train.loss=forward_kl:0.5,lk:0.5"],
+    "ttt5": ["train.ttt_steps=5"],
+    "ttt5-ramp": ["train.ttt_steps=5", "train.ttt_ramp_steps=100"],
+    "norm-variants": ["draft.eagle3_norm_before_fc=true", "draft.eagle3_norm_before_residual=true", "export.to=vllm"],
+    # the winners together
+    "init+kl+lk": ["train.draft_init=target_last_layer", "train.loss=forward_kl:0.5,lk:0.5"],
+    "init+norms": ["train.draft_init=target_last_layer", "draft.eagle3_norm_before_fc=true",
+                   "draft.eagle3_norm_before_residual=true", "export.to=vllm"],
+    # mtp on the same shards (they hold the last hidden state every kind reads): feeds and init
+    "mtp3-chain": ["draft.kind=mtp", "draft.num_steps=3", "draft.mtp_feed=chain"],
+    "mtp3-target": ["draft.kind=mtp", "draft.num_steps=3", "draft.mtp_feed=target"],
+    "mtp3-target-init": ["draft.kind=mtp", "draft.num_steps=3", "draft.mtp_feed=target",
+                         "train.draft_init=target_last_layer"],
+}
+PER_CATEGORY = 2
+EVAL_TOKENS = 40
+# eval groups: the eagle3 variants drafting 4 deep; the 3-layer mtp heads (which cannot go deeper)
+# beside the eagle3 base, all 3 deep
+GROUPS = {"eagle3": ("chain:4", lambda name: not name.startswith("mtp")),
+          "depth3": ("chain:3", lambda name: name.startswith("mtp") or name == "base")}
+
+
+def eyas(stage: str, recipe: Path, overrides: list[str], log: Path) -> float:
+    """Run one `eyas <stage>`; returns wall seconds (exits with the log's path on failure)."""
+    cmd = [sys.executable, "-m", "eyas.cli", stage, str(recipe), *overrides]
+    print(f"levers: eyas {stage} {' '.join(overrides)}  (log: {log})", flush=True)
+    start = time.perf_counter()
+    with open(log, "a") as handle:
+        done = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+    if done.returncode:
+        sys.exit(f"levers: `eyas {stage}` failed (exit {done.returncode}); see {log}")
+    return time.perf_counter() - start
+
+
+def run_overrides(out: Path, name: str, steps: int) -> list[str]:
+    return [f"run.output_dir={out}", f"run.name={name}", f"train.max_steps={steps}", "train.eval_every=0",
+            "train.save_every=0"]
+
+
+def link_data(data: Path, run: Path) -> None:
+    run.mkdir(parents=True, exist_ok=True)
+    for part in ("prepared", "shards"):
+        if not (run / part).exists():
+            (run / part).symlink_to((data / part).resolve(), target_is_directory=True)
+
+
+def stage_train(data: Path, out: Path, names: list[str], steps: int, timings: dict) -> None:
+    for name in names:
+        run = out / name
+        if (run / "checkpoints" / "best").is_dir():
+            continue
+        link_data(data, run)
+        overrides = run_overrides(out, name, steps) + VARIANTS[name]
+        timings[f"train:{name}"] = eyas("train", data / "recipe.yaml", overrides, out / f"{name}.train.log")
+
+
+def broad_subset(path: Path) -> Path:
+    """The first PER_CATEGORY prompts of each category of the broad set."""
+    kept, seen = [], {}
+    for line in BROAD.read_text().splitlines():
+        row = json.loads(line)
+        seen[row["category"]] = seen.get(row["category"], 0) + 1
+        if seen[row["category"]] <= PER_CATEGORY:
+            kept.append(line)
+    path.write_text("\n".join(kept) + "\n")
+    return path
+
+
+SUITES = ("chat", "broad")
+
+
+def stage_eval(data: Path, out: Path, names: list[str], timings: dict) -> None:
+    prompts = {"chat": "heldout", "broad": str(broad_subset(out / "broad-subset.jsonl"))}
+    for group, (shape, member) in GROUPS.items():
+        drafts = [str(out / n / "checkpoints" / "best") for n in names if member(n)]
+        for suite in SUITES:
+            folder = out / "eval" / group / suite
+            if len(drafts) < 2 or (folder / "report.json").is_file():
+                continue
+            overrides = [f"run.output_dir={out}", "run.name=base", f"eval.prompts={prompts[suite]}", "eval.max_prompts=0",
+                         f"eval.max_new_tokens={EVAL_TOKENS}", "eval.engine=builtin", "eval.temperature=0",
+                         f"eval.output={folder}", "eval.shapes=" + json.dumps([shape]), "eval.drafts=" + json.dumps(drafts)]
+            timings[f"eval:{group}:{suite}"] = eyas("eval", data / "recipe.yaml", overrides,
+                                                     out / f"eval-{group}-{suite}.log")
+
+
+def held_out(run: Path) -> dict:
+    """The trainer's last held-out evaluation (simulated acceptance, per-step accuracy)."""
+    rows = [json.loads(line) for line in (run / "logs" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    last = [r for r in rows if r.get("kind") == "eval"][-1]
+    return {"sim_accept": last["sim_accept"], "accuracy": [last[k] for k in sorted(last) if k.startswith("acc_")]}
+
+
+def stage_report(out: Path, names: list[str], steps: int, timings: dict) -> dict:
+    rows = []
+    for group, (shape, member) in GROUPS.items():
+        reports = {s: json.loads((out / "eval" / group / s / "report.json").read_text()) for s in SUITES
+                   if (out / "eval" / group / s / "report.json").is_file()}
+        for name in [n for n in names if member(n) and (out / n / "logs").is_dir()]:
+            row = {"group": group, "shape": shape, "variant": name, "overrides": VARIANTS[name], **held_out(out / name),
+                   "train_s": timings.get(f"train:{name}")}
+            for suite, report in reports.items():
+                config = next((c for c in report["configs"] if c["draft"].split(":", 1)[0] == name), None)  # "<run>:best"
+                if config is None:
+                    continue
+                row[f"tau_{suite}"] = config["overall"]["tau"]
+                if suite == "broad":
+                    row["broad_per_category"] = {k: v["tau"] for k, v in config["per_category"].items()}
+                    row["broad_per_turn"] = {k: v["tau"] for k, v in config["per_turn"].items()}
+            rows.append(row)
+    result = {"rows": rows, "steps": steps, "groups": {g: s for g, (s, _) in GROUPS.items()}, "eval_tokens": EVAL_TOKENS,
+              "timings_s": timings,
+              "machine": machine(), "versions": versions("torch", "transformers"),
+              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "study_levers.json").write_text(json.dumps(result, indent=1))
+    table = markdown(rows)
+    (RESULTS / "study_levers.md").write_text(table)
+    print(table)
+    return result
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| variant | shape | held-out sim. accept | τ chat | τ broad | lowest broad category | train s |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        cats = r.get("broad_per_category") or {}
+        low = min(cats.items(), key=lambda kv: kv[1]) if cats else ("", float("nan"))
+        lines.append(f"| {r['variant']} | {r['shape']} | {r['sim_accept']:.3f} | {r.get('tau_chat', float('nan')):.3f} | "
+                     f"{r.get('tau_broad', float('nan')):.3f} | {low[0]} {low[1]:.2f} | {r['train_s'] or 0:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", required=True, help="a finished eagle3 run directory (recipe.yaml, prepared/, shards/)")
+    parser.add_argument("--out", default=str(ROOT / "runs" / "levers"), help="parent folder of the variants' runs")
+    parser.add_argument("--stage", choices=["train", "eval", "report", "all"], default="all")
+    parser.add_argument("--only", nargs="*", default=[], help="variants to run (default: all)")
+    parser.add_argument("--steps", type=int, default=136, help="optimizer steps of every variant")
+    args = parser.parse_args()
+    data, out = Path(args.data).resolve(), Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    unknown = sorted(set(args.only) - set(VARIANTS))
+    if unknown:
+        sys.exit(f"levers: unknown variant(s) {unknown}; variants: {', '.join(VARIANTS)}")
+    names = args.only or list(VARIANTS)
+    timing_file = out / "timings.json"
+    timings = json.loads(timing_file.read_text()) if timing_file.is_file() else {}
+    try:
+        if args.stage in ("train", "all"):
+            stage_train(data, out, names, args.steps, timings)
+        if args.stage in ("eval", "all"):
+            stage_eval(data, out, names, timings)
+    finally:
+        timing_file.write_text(json.dumps(timings, indent=1))
+    if args.stage in ("report", "all"):
+        stage_report(out, names, args.steps, timings)
+
+
+if __name__ == "__main__":
+    main()
