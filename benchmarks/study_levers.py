@@ -115,16 +115,24 @@ SUITES = ("chat", "broad")
 def stage_eval(data: Path, out: Path, names: list[str], timings: dict) -> None:
     prompts = {"chat": "heldout", "broad": str(broad_subset(out / "broad-subset.jsonl"))}
     for group, (shape, member) in GROUPS.items():
-        drafts = [str(out / n / "checkpoints" / "best") for n in names if member(n)]
         for suite in SUITES:
-            folder = out / "eval" / group / suite
-            if len(drafts) < 2 or (folder / "report.json").is_file():
+            # drafts trained later are decoded in a run of their own (tau at T=0 does not depend on what
+            # runs beside it); the reports on disk are never redone
+            done = {c["draft"].split(":", 1)[0] for report in group_reports(out, group, suite) for c in report["configs"]}
+            todo = [n for n in names if member(n) and n not in done]
+            if not todo:
                 continue
+            drafts = [str(out / n / "checkpoints" / "best") for n in todo]
+            folder = out / "eval" / group / suite / str(len(list((out / "eval" / group / suite).glob("*/report.json"))))
             overrides = [f"run.output_dir={out}", "run.name=base", f"eval.prompts={prompts[suite]}", "eval.max_prompts=0",
                          f"eval.max_new_tokens={EVAL_TOKENS}", "eval.engine=builtin", "eval.temperature=0",
                          f"eval.output={folder}", "eval.shapes=" + json.dumps([shape]), "eval.drafts=" + json.dumps(drafts)]
             timings[f"eval:{group}:{suite}"] = eyas("eval", data / "recipe.yaml", overrides,
                                                      out / f"eval-{group}-{suite}.log")
+
+
+def group_reports(out: Path, group: str, suite: str) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((out / "eval" / group / suite).glob("*/report.json"))]
 
 
 def held_out(run: Path) -> dict:
@@ -137,13 +145,12 @@ def held_out(run: Path) -> dict:
 def stage_report(out: Path, names: list[str], steps: int, timings: dict) -> dict:
     rows = []
     for group, (shape, member) in GROUPS.items():
-        reports = {s: json.loads((out / "eval" / group / s / "report.json").read_text()) for s in SUITES
-                   if (out / "eval" / group / s / "report.json").is_file()}
+        configs = {s: [c for report in group_reports(out, group, s) for c in report["configs"]] for s in SUITES}
         for name in [n for n in names if member(n) and (out / n / "logs").is_dir()]:
             row = {"group": group, "shape": shape, "variant": name, "overrides": VARIANTS[name], **held_out(out / name),
                    "train_s": timings.get(f"train:{name}")}
-            for suite, report in reports.items():
-                config = next((c for c in report["configs"] if c["draft"].split(":", 1)[0] == name), None)  # "<run>:best"
+            for suite in SUITES:
+                config = next((c for c in configs[suite] if c["draft"].split(":", 1)[0] == name), None)  # "<run>:best"
                 if config is None:
                     continue
                 row[f"tau_{suite}"] = config["overall"]["tau"]
