@@ -112,9 +112,10 @@ def broad_subset(path: Path) -> Path:
 SUITES = ("chat", "broad")
 
 
-def stage_eval(data: Path, out: Path, names: list[str], timings: dict) -> None:
+def stage_eval(data: Path, out: Path, names: list[str], timings: dict, groups: list[str]) -> None:
     prompts = {"chat": "heldout", "broad": str(broad_subset(out / "broad-subset.jsonl"))}
-    for group, (shape, member) in GROUPS.items():
+    for group in groups:
+        shape, member = GROUPS[group]
         for suite in SUITES:
             # drafts trained later are decoded in a run of their own (tau at T=0 does not depend on what
             # runs beside it); the reports on disk are never redone
@@ -188,6 +189,7 @@ def main() -> None:
     parser.add_argument("--stage", choices=["train", "eval", "report", "all"], default="all")
     parser.add_argument("--only", nargs="*", default=[], help="variants to run (default: all)")
     parser.add_argument("--steps", type=int, default=136, help="optimizer steps of every variant")
+    parser.add_argument("--groups", nargs="*", choices=list(GROUPS), default=list(GROUPS), help="eval groups to run")
     args = parser.parse_args()
     data, out = Path(args.data).resolve(), Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -201,9 +203,10 @@ def main() -> None:
         if args.stage in ("train", "all"):
             stage_train(data, out, names, args.steps, timings)
         if args.stage in ("eval", "all"):
-            stage_eval(data, out, names, timings)
-    finally:
-        timing_file.write_text(json.dumps(timings, indent=1))
+            stage_eval(data, out, names, timings, args.groups)
+    finally:  # merged into what is there now: another invocation may have written since this one began
+        current = json.loads(timing_file.read_text()) if timing_file.is_file() else {}
+        timing_file.write_text(json.dumps({**current, **timings}, indent=1))
     if args.stage in ("report", "all"):
         stage_report(out, names, args.steps, timings)
 
