@@ -191,7 +191,7 @@ class _CountingTokenizer:
 
 
 class Interrupted(Exception):
-    pass
+    """Stands for a kill in the middle of a regeneration."""
 
 
 def test_a_killed_regeneration_resumes_from_its_reply_cache(tmp_path):

@@ -309,3 +309,17 @@ def test_ttt_ramp_starts_shallow_and_resumes_exactly(workspace):
     for name in a:
         assert torch.equal(a[name], b[name]), name
     assert [r["loss"] for r in _train_log(workspace["root"] / "ramp-killed")] == [r["loss"] for r in rows]
+
+
+def test_target_layer_is_the_same_from_the_files_and_from_a_loaded_model(tiny_llama_dir):
+    from eyas.train.data import read_target_layer
+
+    last, layer = _target_layer(tiny_llama_dir)
+    from_files = read_target_layer(str(tiny_llama_dir))
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32)
+    from_model = read_target_layer(str(tiny_llama_dir), target_model=model)  # the online source's path
+    for index, tensors in (from_files, from_model):
+        assert index == last and tensors.keys() == layer.keys()
+        assert all(torch.equal(tensors[k], layer[k]) for k in layer)

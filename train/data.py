@@ -193,12 +193,12 @@ def read_target_layer(target_path: str, trust_remote_code: bool = False, target_
     config = getattr(config, "text_config", None) or config
     last = int(config.num_hidden_layers) - 1
     prefix = f"model.layers.{last}."
-    if target_model is not None:
-        state = {name: t.detach().float() for name, t in target_model.state_dict().items()}
+    if target_model is not None:  # only the last layer's tensors are copied to fp32, not the whole model
+        tensors = {name[len(prefix):]: t.detach().float() for name, t in target_model.state_dict().items()
+                   if name.startswith(prefix)}
     else:
         files = _safetensors_map(target_path) or {}
-        state = {name: _read_tensor(target_path, files, name) for name in files if name.startswith(prefix)}
-    tensors = {name[len(prefix):]: t for name, t in state.items() if name.startswith(prefix)}
+        tensors = {name[len(prefix):]: _read_tensor(target_path, files, name) for name in files if name.startswith(prefix)}
     if not tensors:
         raise EyasError(f"train.draft_init=target_last_layer: no '{prefix}*' weights in the target '{target_path}' "
                         "(not a Llama/Qwen-style layout, or no safetensors files); use train.draft_init=random")
