@@ -143,7 +143,7 @@ def held_out(run: Path) -> dict:
     return {"sim_accept": last["sim_accept"], "accuracy": [last[k] for k in sorted(last) if k.startswith("acc_")]}
 
 
-def stage_report(out: Path, names: list[str], steps: int, timings: dict) -> dict:
+def stage_report(out: Path, names: list[str], steps: int, timings: dict, tag: str = "") -> dict:
     rows = []
     for group, (shape, member) in GROUPS.items():
         configs = {s: [c for report in group_reports(out, group, s) for c in report["configs"]] for s in SUITES}
@@ -164,9 +164,10 @@ def stage_report(out: Path, names: list[str], steps: int, timings: dict) -> dict
               "machine": machine(), "versions": versions("torch", "transformers"),
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "study_levers.json").write_text(json.dumps(result, indent=1))
+    stem = "study_levers" + (f"_{tag}" if tag else "")
+    (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=1))
     table = markdown(rows)
-    (RESULTS / "study_levers.md").write_text(table)
+    (RESULTS / f"{stem}.md").write_text(table)
     print(table)
     return result
 
@@ -190,6 +191,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=[], help="variants to run (default: all)")
     parser.add_argument("--steps", type=int, default=136, help="optimizer steps of every variant")
     parser.add_argument("--groups", nargs="*", choices=list(GROUPS), default=list(GROUPS), help="eval groups to run")
+    parser.add_argument("--tag", default="", help="results go to study_levers_<tag>.{json,md} (another data set)")
     args = parser.parse_args()
     data, out = Path(args.data).resolve(), Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -208,7 +210,7 @@ def main() -> None:
         current = json.loads(timing_file.read_text()) if timing_file.is_file() else {}
         timing_file.write_text(json.dumps({**current, **timings}, indent=1))
     if args.stage in ("report", "all"):
-        stage_report(out, names, args.steps, timings)
+        stage_report(out, names, args.steps, timings, args.tag)
 
 
 if __name__ == "__main__":

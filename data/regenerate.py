@@ -94,19 +94,20 @@ class ReplyCache:
                 except (ValueError, KeyError, TypeError):
                     continue
 
-    def key(self, messages: list[dict]) -> str:
-        return hashlib.sha256((self.settings + json.dumps(messages, sort_keys=True)).encode()).hexdigest()[:32]
+    def key(self, prompt: Any) -> str:
+        """`prompt`: what was asked, any JSON value (a message list, or a raw request's text and seed)."""
+        return hashlib.sha256((self.settings + json.dumps(prompt, sort_keys=True)).encode()).hexdigest()[:32]
 
-    def get(self, messages: list[dict]) -> str | None:
-        reply = self.replies.get(self.key(messages))
+    def get(self, prompt: Any) -> str | None:
+        reply = self.replies.get(self.key(prompt))
         self.reused += reply is not None
         return reply
 
-    def add(self, pairs: list[tuple[list[dict], str]]) -> None:
+    def add(self, pairs: list[tuple[Any, str]]) -> None:
         """Remember replies and append them durably (fsync), so a kill loses at most the batch under way."""
         lines = []
-        for messages, reply in pairs:
-            key = self.key(messages)
+        for prompt, reply in pairs:
+            key = self.key(prompt)
             self.replies[key] = reply
             lines.append(json.dumps({"key": key, "reply": reply}, ensure_ascii=False))
         if self.path is None or not lines:
@@ -204,7 +205,7 @@ def hf_generator(model: Any, tokenizer: Any, max_new_tokens: int, temperature: f
 # ----------------------------------------------------------------------------- an endpoint
 
 
-def _base_url(endpoint: str) -> str:
+def base_url(endpoint: str) -> str:
     url = endpoint.rstrip("/")
     return url if url.endswith("/v1") else url + "/v1"
 
@@ -221,7 +222,7 @@ def endpoint_model(endpoint: str, model: str = "") -> str:
     """The model name to request: the recipe's, else the first the server lists."""
     if model:
         return model
-    url = _base_url(endpoint) + "/models"
+    url = base_url(endpoint) + "/models"
     try:
         listed = _request(url, timeout=30)
     except (urllib.error.URLError, OSError, ValueError) as exc:
@@ -231,24 +232,35 @@ def endpoint_model(endpoint: str, model: str = "") -> str:
     return listed["data"][0]["id"]
 
 
+def post_choice(url: str, payload: dict, retries: int = 3) -> dict | None:
+    """The first choice of an OpenAI-style answer to `payload`, retried on server errors; None when the
+    request itself is refused (4xx other than 429) or keeps failing."""
+    for attempt in range(retries):
+        try:
+            return _request(url, payload)["choices"][0]
+        except urllib.error.HTTPError as exc:
+            if exc.code < 500 and exc.code != 429:  # the request itself is wrong: retrying won't help
+                return None
+        except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError, TypeError):
+            pass
+        time.sleep(0.5 * 2**attempt)
+    return None
+
+
 def endpoint_generator(endpoint: str, model: str, max_new_tokens: int, temperature: float, workers: int,
                        retries: int = 3):
     """`generate(prompts) -> replies` against /v1/chat/completions; None for a request that kept failing."""
-    url = _base_url(endpoint) + "/chat/completions"
+    url = base_url(endpoint) + "/chat/completions"
 
     def one(messages: list[dict]) -> str | None:
         payload = {"model": model, "messages": messages, "max_tokens": max_new_tokens, "temperature": temperature}
-        for attempt in range(retries):
-            try:
-                reply = _request(url, payload)
-                return (reply["choices"][0]["message"]["content"] or "").strip()
-            except urllib.error.HTTPError as exc:
-                if exc.code < 500 and exc.code != 429:  # the request itself is wrong: retrying won't help
-                    return None
-            except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError):
-                pass
-            time.sleep(0.5 * 2**attempt)
-        return None
+        choice = post_choice(url, payload, retries)
+        if choice is None:
+            return None
+        try:
+            return ((choice.get("message") or {}).get("content") or "").strip()
+        except AttributeError:  # a malformed answer: counted as an endpoint error
+            return None
 
     def generate(prompts: list[list[dict]]) -> list[str | None]:
         with ThreadPoolExecutor(max_workers=workers) as pool:
@@ -264,26 +276,52 @@ def reply_cache_path(recipe: Recipe) -> Path:
     return Path(recipe.data.regenerate_cache) if recipe.data.regenerate_cache else recipe.run_dir / "regen_cache.jsonl"
 
 
-def regenerate_rows(rows: list[dict], recipe: Recipe, tokenizer: Any, model: Any = None) -> list[dict]:
-    """The prepare step: rows with assistant turns rewritten by the target (text rows unchanged)."""
-    from tqdm import tqdm
+def cached(generate: Callable[[list[list[dict]]], list[str | None]], cache: ReplyCache):
+    """`generate` that answers from `cache` first and adds what it had to generate."""
 
+    def run(prompts: list[list[dict]]) -> list[str | None]:
+        replies = [cache.get(p) for p in prompts]
+        todo = [i for i, reply in enumerate(replies) if reply is None]
+        if todo:
+            for i, reply in zip(todo, generate([prompts[i] for i in todo])):
+                replies[i] = reply
+            cache.add([(prompts[i], replies[i]) for i in todo if replies[i] is not None])
+        return replies
+
+    return run
+
+
+def reply_author(recipe: Recipe, tokenizer: Any, model: Any = None) -> tuple[Callable, str, dict]:
+    """(generate, where, author): the recipe's reply generator (`data.regenerate_endpoint`, else the
+    target's batched loop), where it runs (for the log) and what identifies it (for the cache)."""
     data = recipe.data
     if data.regenerate_endpoint:
         name = endpoint_model(data.regenerate_endpoint, data.regenerate_model)
         generate = endpoint_generator(data.regenerate_endpoint, name, data.regenerate_max_new_tokens,
                                       data.regenerate_temperature, data.regenerate_batch_size)
-        where = f"{data.regenerate_endpoint} ({name})"
-        author = {"endpoint": data.regenerate_endpoint, "model": name}
-    else:
-        if model is None:
-            model, _ = load_target(recipe.target)
-        generate = hf_generator(model, tokenizer, data.regenerate_max_new_tokens, data.regenerate_temperature,
-                                recipe.run.seed)
-        where = "the target (batched KV-cache loop)"
-        author = {"target": target_identity(model.config, tokenizer), "dtype": str(next(model.parameters()).dtype)}
-    cache = ReplyCache(reply_cache_path(recipe), {**author, "max_new_tokens": data.regenerate_max_new_tokens,
-                                                  "temperature": data.regenerate_temperature, "seed": recipe.run.seed})
+        return generate, f"{data.regenerate_endpoint} ({name})", {"endpoint": data.regenerate_endpoint, "model": name}
+    if model is None:
+        model, _ = load_target(recipe.target)
+    generate = hf_generator(model, tokenizer, data.regenerate_max_new_tokens, data.regenerate_temperature,
+                            recipe.run.seed)
+    author = {"target": target_identity(model.config, tokenizer), "dtype": str(next(model.parameters()).dtype)}
+    return generate, "the target (batched KV-cache loop)", author
+
+
+def reply_cache(recipe: Recipe, author: dict) -> ReplyCache:
+    """The run's reply cache for replies written by `author` under the recipe's reply settings."""
+    data = recipe.data
+    return ReplyCache(reply_cache_path(recipe), {**author, "max_new_tokens": data.regenerate_max_new_tokens,
+                                                 "temperature": data.regenerate_temperature, "seed": recipe.run.seed})
+
+
+def regenerate_rows(rows: list[dict], recipe: Recipe, tokenizer: Any, model: Any = None) -> list[dict]:
+    """The prepare step: rows with assistant turns rewritten by the target (text rows unchanged)."""
+    from tqdm import tqdm
+
+    data = recipe.data
+    generate, where, author = reply_author(recipe, tokenizer, model)
+    cache = reply_cache(recipe, author)
 
     def prompt_tokens(messages: list[dict]) -> int:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -37,12 +37,13 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from eyas.config import Recipe
-from eyas.data.regenerate import hf_generator
+from eyas.data.regenerate import ReplyCache, base_url, cached, endpoint_model, post_choice, reply_author, reply_cache, reply_cache_path
 from eyas.decode import SamplingParams, left_padded, plain_decode, seeded_generator, stop_token_ids, token_chooser
 from eyas.errors import EyasError
 from eyas.ngrams import NearDuplicates
@@ -175,14 +176,14 @@ def _decode_new(tokenizer: Any, new: list[list[int]], stops: set[int]) -> list[s
 
 
 def hf_prompt_sampler(model: Any, tokenizer: Any, max_new_tokens: int, temperature: float, top_p: float,
-                      seed: int) -> Callable[..., list[str | None]]:
+                      seed: int, top_k: int = 0) -> Callable[..., list[str | None]]:
     """`sample(steers, histories=None)`: one user turn per steer (None: unsteered; an int n: n unsteered),
     the target writing after its template's user header, opening with the steer's words; after the
     conversation in `histories[i]` when given (a follow-up). None for a turn that did not end."""
     device = next(model.parameters()).device
     stops = set(stop_token_ids(model, tokenizer))  # the end-of-turn token is among them for chat models
     stop_ids = torch.tensor(sorted(stops), device=device)
-    choose = token_chooser(SamplingParams(temperature, top_p), seeded_generator(device, seed))
+    choose = token_chooser(SamplingParams(temperature, top_p, top_k), seeded_generator(device, seed))
 
     def sample(steers: list[Steer | None] | int, histories: list[list[dict]] | None = None) -> list[str | None]:
         if isinstance(steers, int):
@@ -194,6 +195,57 @@ def hf_prompt_sampler(model: Any, tokenizer: Any, max_new_tokens: int, temperatu
         enc = left_padded(tokenizer, heads, device)
         texts = _decode_new(tokenizer, plain_decode(model, enc["input_ids"], enc["attention_mask"], max_new_tokens,
                                                     stop_ids, choose), stops)
+        return [None if t is None else (s.opener if s else "") + t for s, t in zip(steers, texts)]
+
+    return sample
+
+
+def endpoint_prompt_sampler(endpoint: str, model: str, tokenizer: Any, max_new_tokens: int, temperature: float,
+                            top_p: float, workers: int, cache: ReplyCache | None = None, top_k: int = 0
+                            ) -> Callable[..., list[str | None]]:
+    """`hf_prompt_sampler`'s contract against an OpenAI-compatible server's /v1/completions: the chat
+    template is rendered here up to the open user turn and the server continues that raw text (a chat
+    endpoint cannot: it always opens an assistant turn), `workers` requests in flight. A turn ends when
+    the server stops on the end-of-turn token (`finish_reason: stop`); one cut at `max_new_tokens` is None.
+
+    Samples are kept in `cache` under (text continued, how many times that text was asked before), so a
+    rerun after a kill asks only for the samples it lacks. The requests carry no seed: vLLM 0.32 on a CPU
+    stops its engine on a per-request seed, so sampling follows the server's own `--seed`, and a resumed
+    run's new samples are fresh ones (as with the built-in loop, whose random stream depends on the batch).
+    A request that keeps failing stops prepare with an error; what was sampled is in the cache.
+    """
+    url = base_url(endpoint) + "/completions"
+    stops = sorted({t for t in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"))
+                    if isinstance(t, int) and t != tokenizer.unk_token_id})
+    cache = cache or ReplyCache(None, {})
+    asked: Counter = Counter()
+
+    def one(prompt: str) -> str | None:
+        choice = post_choice(url, {"model": model, "prompt": prompt, "max_tokens": max_new_tokens,
+                                   "temperature": temperature, "top_p": top_p, "stop_token_ids": stops,
+                                   "add_special_tokens": False, "skip_special_tokens": True,
+                                   **({"top_k": top_k} if top_k else {})})
+        if choice is None or not isinstance(choice.get("text"), str):
+            raise EyasError(f"data.self_prompts: a request to {url} failed 3 times; check the server (its log, "
+                            "--max-model-len against data.max_length) and run prepare again: the prompts written "
+                            "so far are kept in the reply cache")
+        return choice["text"] if choice.get("finish_reason") == "stop" else None
+
+    def sample(steers: list[Steer | None] | int, histories: list[list[dict]] | None = None) -> list[str | None]:
+        if isinstance(steers, int):
+            steers = [None] * steers
+        heads = [user_header(tokenizer, s.system if s else "", histories[i] if histories else None)
+                 + (s.opener if s else "") for i, s in enumerate(steers)]
+        keys = []
+        for head in heads:
+            keys.append({"prompt": head, "occurrence": asked[head]})
+            asked[head] += 1
+        texts = [cache.get(k) for k in keys]
+        todo = [i for i, text in enumerate(texts) if text is None]
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            for i, text in zip(todo, pool.map(one, [heads[i] for i in todo])):
+                texts[i] = text
+        cache.add([(keys[i], texts[i]) for i in todo if texts[i] is not None])  # a rerun asks again for the rest
         return [None if t is None else (s.opener if s else "") + t for s, t in zip(steers, texts)]
 
     return sample
@@ -263,8 +315,18 @@ def self_prompt_rows(recipe: Recipe, model: Any, tokenizer: Any, skips: Any) -> 
 
     data = recipe.data
     categories = parse_categories(data.self_prompt_categories)
-    sample = hf_prompt_sampler(model, tokenizer, data.regenerate_max_new_tokens, data.self_prompt_temperature,
-                               data.self_prompt_top_p, recipe.run.seed)
+    if data.regenerate_endpoint:
+        name = endpoint_model(data.regenerate_endpoint, data.regenerate_model)
+        settings = {"endpoint": data.regenerate_endpoint, "model": name, "user turn": True,
+                    "max_new_tokens": data.regenerate_max_new_tokens, "temperature": data.self_prompt_temperature,
+                    "top_p": data.self_prompt_top_p, "top_k": data.self_prompt_top_k}
+        sample = endpoint_prompt_sampler(data.regenerate_endpoint, name, tokenizer, data.regenerate_max_new_tokens,
+                                         data.self_prompt_temperature, data.self_prompt_top_p,
+                                         data.regenerate_batch_size, ReplyCache(reply_cache_path(recipe), settings),
+                                         top_k=data.self_prompt_top_k)
+    else:
+        sample = hf_prompt_sampler(model, tokenizer, data.regenerate_max_new_tokens, data.self_prompt_temperature,
+                                   data.self_prompt_top_p, recipe.run.seed, top_k=data.self_prompt_top_k)
     with tqdm(total=data.self_prompts, unit="prompt", desc="writing prompts", dynamic_ncols=True) as progress:
         rows = write_prompts(sample, data.self_prompts, data.regenerate_batch_size, skips, recipe.run.seed, progress,
                              categories=categories, dedup=data.self_prompt_dedup)
@@ -274,9 +336,9 @@ def self_prompt_rows(recipe: Recipe, model: Any, tokenizer: Any, skips: Any) -> 
     print(f"eyas prepare: the target wrote {len(rows)} of {data.self_prompts} prompts ({dropped} samples dropped"
           f"{listed})", flush=True)
     if data.self_prompt_turns >= 2 and rows:
-        reply = hf_generator(model, tokenizer, data.regenerate_max_new_tokens, data.regenerate_temperature,
-                             recipe.run.seed)
-        rows = add_follow_ups(rows, reply, sample, data.regenerate_batch_size, skips)
+        generate, _, author = reply_author(recipe, tokenizer, model)
+        rows = add_follow_ups(rows, cached(generate, reply_cache(recipe, author)), sample,
+                              data.regenerate_batch_size, skips)
         print(f"eyas prepare: the target wrote follow-up turns: {turn_mix(rows).get('2', 0)} of {len(rows)} "
               "conversations have two user turns", flush=True)
     return rows

@@ -502,15 +502,20 @@ class VllmServer:
             ... server.url ...          # http://127.0.0.1:PORT/v1
 
     Does not come up within `timeout` seconds: the process group is stopped and EyasError names
-    the port with the log's last lines.
+    the port with the log's last lines. `in_process_engine`: the engine runs in the server's own
+    process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): one process, where by default an engine-core and a
+    worker process each kept a core busy here (benchmarks/study_widened.py generates this way; the
+    two were not timed against each other).
     """
 
     def __init__(self, target: str | Path, log: str | Path, port: int = 0, dtype: str = "float32",
                  max_model_len: int = 2048, timeout: float = 600, kv_cache_gib: float = 1,
-                 extra_args: list[str] | None = None, served_name: str = "target") -> None:
+                 extra_args: list[str] | None = None, served_name: str = "target",
+                 in_process_engine: bool = False) -> None:
         self.target, self.log, self.port = str(target), Path(log), port or free_port()
         self.dtype, self.max_model_len, self.timeout = dtype, max_model_len, timeout
         self.kv_cache_gib, self.extra_args, self.served_name = kv_cache_gib, list(extra_args or []), served_name
+        self.in_process_engine = in_process_engine
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -526,7 +531,8 @@ class VllmServer:
                    "--served-model-name", self.served_name, "--enforce-eager", "--seed", "0",
                    "--disable-uvicorn-access-log", *self.extra_args]
         env = _child_env(self.kv_cache_gib, None)
-        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the server keeps its engine core process (same group)
+        if not self.in_process_engine:
+            env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the server keeps its engine core process (same group)
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         deadline = time.monotonic() + self.timeout

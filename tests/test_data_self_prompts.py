@@ -3,6 +3,9 @@ seeded sampling on a tiny target, and prepare end to end."""
 
 from __future__ import annotations
 
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -10,11 +13,13 @@ import torch
 
 from eyas.config import load_recipe
 from eyas.data.prepare import load_prepared, prepare
+from eyas.data.regenerate import ReplyCache
 from eyas.data.self_prompts import (
     DUPLICATE,
     NEAR_DUPLICATE,
     add_follow_ups,
     category_mix,
+    endpoint_prompt_sampler,
     hf_prompt_sampler,
     quotas,
     regenerate_unreplied,
@@ -117,8 +122,6 @@ def test_prepare_with_only_self_prompts(tmp_path, tiny_llama_dir):
 
 @pytest.mark.parametrize("overrides, message", [
     (["data.self_prompts=10"], "needs data.regenerate: true"),
-    (["data.self_prompts=10", "data.regenerate=true", "data.regenerate_endpoint=http://localhost:1"],
-     "unset data.regenerate_endpoint"),
     (["data.source=none"], "there is no data"),
     (["data.self_prompts=10", "data.regenerate=true", "data.self_prompt_temperature=0"], "must be > 0"),
 ])
@@ -314,3 +317,120 @@ def test_custom_categories_take_a_system_prompt_and_openers():
                                     {"gardening": "You ask about your garden."}])
     assert mine == Category("cooking", "You ask about recipes.", ("How do I cook",))
     assert mine.steer(5).opener == "How do I cook" and plain.steer(0).opener == "" and plain.system
+
+
+# ----------------------------------------------------------------------------- through an endpoint
+
+
+class CompletionServer(BaseHTTPRequestHandler):
+    """An OpenAI-style server whose answer is a function of the request alone: /v1/completions
+    continues a prompt with text fixed by the prompt, cut at max_tokens when the prompt asks
+    for "never"; /v1/chat/completions echoes the last user turn."""
+    requests: list = []
+
+    def log_message(self, *args):
+        pass
+
+    def _send(self, payload: dict) -> None:
+        body = json.dumps(payload).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self._send({"object": "list", "data": [{"id": "fake-target", "object": "model"}]})
+
+    def do_POST(self):
+        payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        CompletionServer.requests.append((self.path, payload))
+        if self.path == "/v1/completions":
+            cut = "never" in payload["prompt"].lower()
+            text = f" sample {payload.get('seed', 0)} of {len(payload['prompt'])}"
+            self._send({"choices": [{"index": 0, "text": text, "finish_reason": "length" if cut else "stop"}]})
+        else:
+            last_user = [m["content"] for m in payload["messages"] if m["role"] == "user"][-1]
+            self._send({"choices": [{"index": 0, "message": {"role": "assistant", "content": f"re: {last_user}"}}]})
+
+
+@pytest.fixture()
+def completion_server():
+    CompletionServer.requests = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), CompletionServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_endpoint_sampler_continues_the_open_user_turn_and_resumes_from_its_cache(tmp_path, tiny_llama_dir,
+                                                                                  completion_server):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    coding = parse_categories(["coding"])[0]
+    never = Category("never", "Never stop.", ("Never",))
+    steers = [coding.steer(0), coding.steer(0), None, never.steer(0)]
+    cache_file = tmp_path / "cache.jsonl"
+
+    def sampler(workers: int):
+        return endpoint_prompt_sampler(completion_server, "fake-target", tok, 16, 1.0, 0.9, workers=workers,
+                                       cache=ReplyCache(cache_file, {"user turn": True}))
+
+    first = sampler(workers=4)(steers)
+    asked = [p for _, p in CompletionServer.requests]
+    assert len(asked) == 4 and first[3] is None  # cut at max_tokens: not a prompt
+    head = user_header(tok, coding.system) + coding.openers[0]  # the open user turn, continued
+    assert sum(p["prompt"] == head for p in asked) == 2
+    assert first[0] == first[1] == head.removeprefix(user_header(tok, coding.system)) + f" sample 0 of {len(head)}"
+    assert first[2] == f" sample 0 of {len(user_header(tok))}"
+    assert {(p["max_tokens"], p["temperature"], p["top_p"], p["add_special_tokens"]) for p in asked} == {(16, 1.0, 0.9, False)}
+    assert all(tok.eos_token_id in p["stop_token_ids"] and "seed" not in p for p in asked)
+
+    CompletionServer.requests.clear()  # a rerun (another process, one worker): the cache answers what ended
+    again = sampler(workers=1)(steers)
+    assert again == first
+    assert [p["prompt"] for _, p in CompletionServer.requests] == [user_header(tok, never.system) + "Never"]
+    CompletionServer.requests.clear()  # the same text asked a third time is a new sample, not the cached one
+    assert sampler(workers=1)([coding.steer(0)] * 3)[2] is not None
+    assert [p["prompt"] for _, p in CompletionServer.requests] == [head]
+    CompletionServer.requests.clear()  # data.self_prompt_top_k reaches the server; off, it is not sent
+    endpoint_prompt_sampler(completion_server, "fake-target", tok, 16, 1.0, 0.9, workers=1, top_k=50)(1)
+    assert CompletionServer.requests[0][1]["top_k"] == 50
+
+
+def test_endpoint_sampler_stops_with_a_clear_error_when_the_server_is_gone(tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    from eyas.eval.engine_vllm import free_port
+
+    sample = endpoint_prompt_sampler(f"http://127.0.0.1:{free_port()}", "m", AutoTokenizer.from_pretrained(tiny_llama_dir),
+                                     8, 1.0, 0.9, workers=2)
+    with pytest.raises(EyasError, match="failed 3 times; check the server"):
+        sample(2)
+
+
+def test_prepare_writes_two_turn_conversations_through_an_endpoint_and_resumes(tmp_path, tiny_llama_dir,
+                                                                               completion_server):
+    overrides = [f"target.path={tiny_llama_dir}", "data.source=none", "data.self_prompts=4",
+                 "data.self_prompt_categories=[coding, translation]", "data.self_prompt_turns=2",
+                 "data.regenerate=true", f"data.regenerate_endpoint={completion_server}", "data.regenerate_batch_size=3",
+                 "data.heldout_fraction=0.0", "data.self_prompt_dedup=1.0", f"run.output_dir={tmp_path}"]
+    recipe = load_recipe(None, overrides)
+    info = prepare(recipe)
+    rows = list(load_prepared(recipe.run_dir, "train"))
+    assert info["self_prompt_categories"] == {"coding": 2, "translation": 2}
+    assert info["self_prompt_turns"] == {"2": 4}
+    for row in rows:
+        users = [m["content"] for m in row["messages"] if m["role"] == "user"]
+        replies = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+        assert replies == [f"re: {u}" for u in users]  # each turn answered by the endpoint, in order
+    paths = {path for path, _ in CompletionServer.requests}
+    assert paths == {"/v1/completions", "/v1/chat/completions"}
+
+    CompletionServer.requests.clear()  # the same prepare again: every sample and reply from the cache
+    prepare(load_recipe(None, overrides))
+    assert CompletionServer.requests == []
+    assert [r["messages"] for r in load_prepared(recipe.run_dir, "train")] == [r["messages"] for r in rows]

@@ -318,3 +318,39 @@ def test_regeneration_through_vllm_serve_equals_the_builtin_loop(tmp_path, smoll
                   f"vLLM {b[max(0, at - 20):at + 30]!r}")
             assert at > 0, f"reply {i}: the two back ends disagree from the first token"
     assert sum(same) >= 0.75 * len(rows), "fewer than 3 in 4 replies equal: not a near-tie effect"
+
+
+def test_steered_two_turn_self_conversations_through_vllm_serve_resume_without_it(tmp_path, smollm2_dir):
+    """`data.self_prompts` against a real `vllm serve`: the user turns through /v1/completions continue
+    the open user turn under each category's steer, the replies through /v1/chat/completions; a second
+    prepare with the server gone rebuilds the same data from the reply cache alone."""
+    from eyas.config import load_recipe
+    from eyas.data.prepare import load_prepared, prepare
+    from eyas.eval.engine_vllm import VllmServer
+    from eyas.steering import STEERS
+
+    overrides = [f"target.path={smollm2_dir}", "data.source=none", "data.self_prompts=6",
+                 "data.self_prompt_categories=[coding, translation]", "data.self_prompt_turns=2",
+                 "data.regenerate=true", "data.regenerate_max_new_tokens=64", "data.regenerate_batch_size=8",
+                 "data.max_length=512", "data.heldout_fraction=0.0", "data.regenerate_model=target",
+                 f"run.output_dir={tmp_path}"]
+    with VllmServer(smollm2_dir, log=tmp_path / "server.log", timeout=600, dtype="bfloat16",
+                    max_model_len=1024) as server:
+        recipe = load_recipe(None, overrides + [f"data.regenerate_endpoint={server.url}"])
+        info = prepare(recipe)
+    rows = list(load_prepared(recipe.run_dir, "train"))
+    print(f"\nself-conversations through vllm serve: {info['self_prompt_categories']}, turns {info['self_prompt_turns']}, "
+          f"skipped {info['skipped']}")
+    assert info["self_prompt_categories"] == {"coding": 3, "translation": 3}
+    for row in rows:
+        category = row["id"].rsplit("-", 1)[1]
+        users = [m["content"] for m in row["messages"] if m["role"] == "user"]
+        replies = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+        assert users[0].startswith(STEERS[category].openers) and len(users) == len(replies) in (1, 2)
+        assert all(r.strip() for r in replies) and sum(row["loss_mask"]) > 0
+    assert "2" in info["self_prompt_turns"]  # the target wrote follow-ups after its own answers
+
+    # the server is stopped: every sample and reply must come from <run_dir>/regen_cache.jsonl
+    again = prepare(load_recipe(None, overrides + [f"data.regenerate_endpoint={server.url}"]))
+    assert again["splits"] == info["splits"]
+    assert [r["messages"] for r in load_prepared(recipe.run_dir, "train")] == [r["messages"] for r in rows]

