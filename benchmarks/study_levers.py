@@ -112,7 +112,8 @@ def broad_subset(path: Path) -> Path:
 SUITES = ("chat", "broad")
 
 
-def stage_eval(data: Path, out: Path, names: list[str], timings: dict, groups: list[str]) -> None:
+def stage_eval(data: Path, out: Path, names: list[str], timings: dict, groups: list[str],
+               extra: list[str] | None = None) -> None:
     prompts = {"chat": "heldout", "broad": str(broad_subset(out / "broad-subset.jsonl"))}
     for group in groups:
         shape, member = GROUPS[group]
@@ -127,7 +128,8 @@ def stage_eval(data: Path, out: Path, names: list[str], timings: dict, groups: l
             folder = out / "eval" / group / suite / str(len(list((out / "eval" / group / suite).glob("*/report.json"))))
             overrides = [f"run.output_dir={out}", "run.name=base", f"eval.prompts={prompts[suite]}", "eval.max_prompts=0",
                          f"eval.max_new_tokens={EVAL_TOKENS}", "eval.engine=builtin", "eval.temperature=0",
-                         f"eval.output={folder}", "eval.shapes=" + json.dumps([shape]), "eval.drafts=" + json.dumps(drafts)]
+                         f"eval.output={folder}", "eval.shapes=" + json.dumps([shape]), "eval.drafts=" + json.dumps(drafts),
+                         *(extra or [])]
             timings[f"eval:{group}:{suite}"] = eyas("eval", data / "recipe.yaml", overrides,
                                                      out / f"eval-{group}-{suite}.log")
 
@@ -192,6 +194,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=136, help="optimizer steps of every variant")
     parser.add_argument("--groups", nargs="*", choices=list(GROUPS), default=list(GROUPS), help="eval groups to run")
     parser.add_argument("--tag", default="", help="results go to study_levers_<tag>.{json,md} (another data set)")
+    parser.add_argument("--eval-set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="recipe overrides for the evals only (e.g. target.dtype=float32)")
     args = parser.parse_args()
     data, out = Path(args.data).resolve(), Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -205,7 +209,7 @@ def main() -> None:
         if args.stage in ("train", "all"):
             stage_train(data, out, names, args.steps, timings)
         if args.stage in ("eval", "all"):
-            stage_eval(data, out, names, timings, args.groups)
+            stage_eval(data, out, names, timings, args.groups, args.eval_set)
     finally:  # merged into what is there now: another invocation may have written since this one began
         current = json.loads(timing_file.read_text()) if timing_file.is_file() else {}
         timing_file.write_text(json.dumps({**current, **timings}, indent=1))

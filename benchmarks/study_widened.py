@@ -4,9 +4,10 @@ and the drafts measured per category and per turn at T=0 and T=1 on the broad se
     python benchmarks/study_widened.py generate     # vllm serve + eyas prepare (resumable: the reply cache)
     python benchmarks/study_widened.py dump
     python benchmarks/study_levers.py --data runs/widened --out runs/widened-levers --tag widened \\
-        --steps 250 --only base init-target mtp3-target     # the levers again, on the widened data
+        --steps 250 --only base init-target mtp3-target --eval-set target.dtype=float32
     python benchmarks/study_widened.py matrix --drafts eagle3=runs/widened-levers/init-target \\
-        mtp3=runs/widened-levers/mtp3-target quickstart-data=runs/levers/init-target
+        eagle3-random-init=runs/widened-levers/base mtp3=runs/widened-levers/mtp3-target \\
+        quickstart-data=runs/levers/init-target --sampled eagle3 mtp3
     python benchmarks/study_widened.py report
 
 `generate` starts `vllm serve` of the target (bf16, 128 sequences at once, the engine in the
@@ -14,6 +15,9 @@ server's process) on the port `benchmarks/widened.yaml` names and runs `eyas pre
 recipe: the user turns through /v1/completions, the replies through /v1/chat/completions. A killed
 run resumes from `<run_dir>/regen_cache.jsonl`. It records the data mix, the loss tokens, the wall
 time and the word-8-gram overlap of the training conversations with the broad set.
+
+The dump runs the target in bf16 (the recipe's `target.dtype`); every eval here is against the fp32
+target, where every output must equal the target's own greedy output.
 
 `matrix` decodes every named draft in one `eyas eval` per temperature (interleaved prompt by
 prompt, eyas.eval.runner), on the first `--per-category` prompts of each category of
@@ -112,14 +116,17 @@ def matrix_dir() -> Path:
     return run_dir().parent / "widened-matrix"
 
 
-def stage_matrix(drafts: dict[str, str], per_category: int, tokens: int) -> None:
+def stage_matrix(drafts: dict[str, str], sampled: list[str], per_category: int, tokens: int) -> None:
+    """Every draft at T=0; at T=1 only those named in `sampled` (all when empty)."""
     prompts = broad_subset(matrix_dir() / "broad-subset.jsonl", per_category)
-    paths = [str((ROOT / path / "checkpoints" / "best").resolve()) for path in drafts.values()]
     for temperature in TEMPERATURES:
         folder = matrix_dir() / f"T{temperature:g}"
         if (folder / "report.json").is_file():
             continue
-        eyas("eval", [f"eval.prompts={prompts}", "eval.max_prompts=0", f"eval.max_new_tokens={tokens}",
+        names = list(drafts) if temperature == 0 or not sampled else sampled
+        paths = [str((ROOT / drafts[name] / "checkpoints" / "best").resolve()) for name in names]
+        eyas("eval", ["target.dtype=float32", f"eval.prompts={prompts}", "eval.max_prompts=0",
+                      f"eval.max_new_tokens={tokens}",
                       "eval.engine=builtin", f"eval.temperature={temperature}", f"eval.output={folder}",
                       "eval.shapes=" + json.dumps(SHAPES), "eval.drafts=" + json.dumps(paths)],
              matrix_dir() / f"eval-T{temperature:g}.log")
@@ -166,8 +173,10 @@ def main() -> None:
     parser.add_argument("stage", choices=["generate", "dump", "matrix", "report"])
     parser.add_argument("--drafts", nargs="*", default=[], metavar="NAME=RUN_DIR",
                         help="matrix: the drafts to measure, each a finished run directory")
+    parser.add_argument("--sampled", nargs="*", default=[], metavar="NAME",
+                        help="matrix: the drafts also measured at T=1 (default: all)")
     parser.add_argument("--per-category", type=int, default=2, help="matrix: broad-set prompts per category")
-    parser.add_argument("--tokens", type=int, default=64, help="matrix: new tokens per turn")
+    parser.add_argument("--tokens", type=int, default=32, help="matrix: new tokens per turn")
     args = parser.parse_args()
     os.chdir(ROOT)
     if args.stage == "generate":
@@ -178,7 +187,10 @@ def main() -> None:
         drafts = dict(d.split("=", 1) for d in args.drafts)
         if not drafts:
             sys.exit("widened: matrix needs --drafts NAME=RUN_DIR ...")
-        stage_matrix(drafts, args.per_category, args.tokens)
+        unknown = sorted(set(args.sampled) - set(drafts))
+        if unknown:
+            sys.exit(f"widened: --sampled names {unknown}, which --drafts does not")
+        stage_matrix(drafts, args.sampled, args.per_category, args.tokens)
         stage_report()
     else:
         stage_report()

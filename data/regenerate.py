@@ -75,7 +75,8 @@ def _turn_slots(rows: list[dict]) -> list[list[tuple[int, int]]]:
 
 
 class ReplyCache:
-    """Replies already generated, one JSON line each (`{"key": ..., "reply": ...}`), appended per batch.
+    """Replies already generated, one JSON line each (`{"key": ..., "reply": ...}`; a reply is text, or any
+    JSON value a generator keeps), appended per batch.
 
     `settings`: what decides a reply besides its prompt; a line written under other settings has
     another key and is never used. A torn last line (a kill mid-write) is ignored on load.
@@ -84,7 +85,7 @@ class ReplyCache:
     def __init__(self, path: Path | None, settings: dict) -> None:
         self.path = path
         self.settings = json.dumps(settings, sort_keys=True, default=str)
-        self.replies: dict[str, str] = {}
+        self.replies: dict[str, Any] = {}
         self.reused = 0
         if path is not None and path.is_file():
             for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
@@ -95,15 +96,15 @@ class ReplyCache:
                     continue
 
     def key(self, prompt: Any) -> str:
-        """`prompt`: what was asked, any JSON value (a message list, or a raw request's text and seed)."""
+        """`prompt`: what was asked, any JSON value (a message list; a continued text and its occurrence)."""
         return hashlib.sha256((self.settings + json.dumps(prompt, sort_keys=True)).encode()).hexdigest()[:32]
 
-    def get(self, prompt: Any) -> str | None:
+    def get(self, prompt: Any) -> Any:
         reply = self.replies.get(self.key(prompt))
         self.reused += reply is not None
         return reply
 
-    def add(self, pairs: list[tuple[Any, str]]) -> None:
+    def add(self, pairs: list[tuple[Any, Any]]) -> None:
         """Remember replies and append them durably (fsync), so a kill loses at most the batch under way."""
         lines = []
         for prompt, reply in pairs:

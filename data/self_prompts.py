@@ -200,6 +200,11 @@ def hf_prompt_sampler(model: Any, tokenizer: Any, max_new_tokens: int, temperatu
     return sample
 
 
+def _sample_entry(cached: Any) -> dict | None:
+    """A cached sample as {"text", "ended"}; a bare string is a finished sample (the first cache format)."""
+    return {"text": cached, "ended": True} if isinstance(cached, str) else cached
+
+
 def endpoint_prompt_sampler(endpoint: str, model: str, tokenizer: Any, max_new_tokens: int, temperature: float,
                             top_p: float, workers: int, cache: ReplyCache | None = None, top_k: int = 0
                             ) -> Callable[..., list[str | None]]:
@@ -208,19 +213,19 @@ def endpoint_prompt_sampler(endpoint: str, model: str, tokenizer: Any, max_new_t
     endpoint cannot: it always opens an assistant turn), `workers` requests in flight. A turn ends when
     the server stops on the end-of-turn token (`finish_reason: stop`); one cut at `max_new_tokens` is None.
 
-    Samples are kept in `cache` under (text continued, how many times that text was asked before), so a
-    rerun after a kill asks only for the samples it lacks. The requests carry no seed: vLLM 0.32 on a CPU
+    Samples, finished or not, are kept in `cache` under (text continued, how many times that text was
+    asked before), so a rerun after a kill asks only for the samples it lacks. The requests carry no seed: vLLM 0.32 on a CPU
     stops its engine on a per-request seed, so sampling follows the server's own `--seed`, and a resumed
     run's new samples are fresh ones (as with the built-in loop, whose random stream depends on the batch).
     A request that keeps failing stops prepare with an error; what was sampled is in the cache.
     """
     url = base_url(endpoint) + "/completions"
-    stops = sorted({t for t in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"))
-                    if isinstance(t, int) and t != tokenizer.unk_token_id})
+    # vLLM and SGLang also stop on the EOS tokens of the model's generation config, as the built-in loop does
+    stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     cache = cache or ReplyCache(None, {})
     asked: Counter = Counter()
 
-    def one(prompt: str) -> str | None:
+    def one(prompt: str) -> dict:
         choice = post_choice(url, {"model": model, "prompt": prompt, "max_tokens": max_new_tokens,
                                    "temperature": temperature, "top_p": top_p, "stop_token_ids": stops,
                                    "add_special_tokens": False, "skip_special_tokens": True,
@@ -229,7 +234,7 @@ def endpoint_prompt_sampler(endpoint: str, model: str, tokenizer: Any, max_new_t
             raise EyasError(f"data.self_prompts: a request to {url} failed 3 times; check the server (its log, "
                             "--max-model-len against data.max_length) and run prepare again: the prompts written "
                             "so far are kept in the reply cache")
-        return choice["text"] if choice.get("finish_reason") == "stop" else None
+        return {"text": choice["text"], "ended": choice.get("finish_reason") == "stop"}
 
     def sample(steers: list[Steer | None] | int, histories: list[list[dict]] | None = None) -> list[str | None]:
         if isinstance(steers, int):
@@ -240,13 +245,13 @@ def endpoint_prompt_sampler(endpoint: str, model: str, tokenizer: Any, max_new_t
         for head in heads:
             keys.append({"prompt": head, "occurrence": asked[head]})
             asked[head] += 1
-        texts = [cache.get(k) for k in keys]
-        todo = [i for i, text in enumerate(texts) if text is None]
+        samples = [_sample_entry(cache.get(k)) for k in keys]
+        todo = [i for i, sampled in enumerate(samples) if sampled is None]
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-            for i, text in zip(todo, pool.map(one, [heads[i] for i in todo])):
-                texts[i] = text
-        cache.add([(keys[i], texts[i]) for i in todo if texts[i] is not None])  # a rerun asks again for the rest
-        return [None if t is None else (s.opener if s else "") + t for s, t in zip(steers, texts)]
+            for i, sampled in zip(todo, pool.map(one, [heads[i] for i in todo])):
+                samples[i] = sampled
+        cache.add([(keys[i], samples[i]) for i in todo])  # unfinished ones too: a rerun needs no server
+        return [(s.opener if s else "") + x["text"] if x["ended"] else None for s, x in zip(steers, samples)]
 
     return sample
 

@@ -335,7 +335,7 @@ def test_steered_two_turn_self_conversations_through_vllm_serve_resume_without_i
                  "data.max_length=512", "data.heldout_fraction=0.0", "data.regenerate_model=target",
                  f"run.output_dir={tmp_path}"]
     with VllmServer(smollm2_dir, log=tmp_path / "server.log", timeout=600, dtype="bfloat16",
-                    max_model_len=1024) as server:
+                    max_model_len=1024, in_process_engine=True) as server:  # as benchmarks/study_widened.py runs it
         recipe = load_recipe(None, overrides + [f"data.regenerate_endpoint={server.url}"])
         info = prepare(recipe)
     rows = list(load_prepared(recipe.run_dir, "train"))
