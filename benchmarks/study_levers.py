@@ -97,14 +97,15 @@ def stage_train(data: Path, out: Path, names: list[str], steps: int, timings: di
         timings[f"train:{name}"] = eyas("train", data / "recipe.yaml", overrides, out / f"{name}.train.log")
 
 
-def broad_subset(path: Path) -> Path:
-    """The first PER_CATEGORY prompts of each category of the broad set."""
+def broad_subset(path: Path, per_category: int = PER_CATEGORY) -> Path:
+    """The first `per_category` prompts of each category of the broad set, written to `path`."""
     kept, seen = [], {}
     for line in BROAD.read_text().splitlines():
         row = json.loads(line)
         seen[row["category"]] = seen.get(row["category"], 0) + 1
-        if seen[row["category"]] <= PER_CATEGORY:
+        if seen[row["category"]] <= per_category:
             kept.append(line)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(kept) + "\n")
     return path
 

