@@ -123,8 +123,7 @@ class DataConfig:
     self_prompt_temperature: float = _doc("Sampling temperature of the target-written prompts.", 1.0)
     self_prompt_top_p: float = _doc("Nucleus sampling of the target-written prompts.", 0.95)
     self_prompt_top_k: int = _doc(
-        "Sample the target-written prompts from the k most likely tokens only (0: off). vLLM on a CPU samples "
-        "3.5x faster with top_k 50 than with top_p alone (benchmarks/widened.yaml).", 0)
+        "Sample the target-written prompts from the k most likely tokens only (0: off), with top_p.", 0)
     self_prompt_categories: list = _doc(
         "Steer the target-written prompts over these categories, split evenly: built-in names (writing, roleplay, "
         "reasoning, maths, coding, extraction, stem, humanities, translation, summarisation, qa, passage_qa, chat) "
