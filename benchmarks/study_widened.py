@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,6 +41,7 @@ from urllib.parse import urlparse
 import yaml
 from machine import machine, versions  # benchmarks/machine.py
 from study_levers import broad_subset  # benchmarks/study_levers.py: the same subset of the broad set
+from study_levers import eyas as run_stage
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "benchmarks" / "widened.yaml"
@@ -53,15 +53,8 @@ TEMPERATURES = (0.0, 1.0)
 
 def eyas(stage: str, overrides: list[str], log: Path) -> float:
     """One `eyas <stage>` on the widened recipe; wall seconds (exits naming the log on failure)."""
-    cmd = [sys.executable, "-m", "eyas.cli", stage, str(RECIPE), *overrides]
-    print(f"widened: eyas {stage} {' '.join(overrides)}  (log: {log})", flush=True)
     log.parent.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    with open(log, "a") as handle:
-        done = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, cwd=ROOT)
-    if done.returncode:
-        sys.exit(f"widened: `eyas {stage}` failed (exit {done.returncode}); see {log}")
-    return time.perf_counter() - start
+    return run_stage(stage, RECIPE, overrides, log)
 
 
 def run_dir() -> Path:

@@ -237,14 +237,15 @@ def post_choice(url: str, payload: dict, retries: int = 3) -> dict | None:
     """The first choice of an OpenAI-style answer to `payload`, retried on server errors; None when the
     request itself is refused (4xx other than 429) or keeps failing."""
     for attempt in range(retries):
+        if attempt:
+            time.sleep(0.5 * 2 ** (attempt - 1))  # back off between tries
         try:
             return _request(url, payload)["choices"][0]
         except urllib.error.HTTPError as exc:
             if exc.code < 500 and exc.code != 429:  # the request itself is wrong: retrying won't help
                 return None
         except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError, TypeError):
-            pass
-        time.sleep(0.5 * 2**attempt)
+            continue  # a dropped connection or a malformed answer: worth another try
     return None
 
 
@@ -277,10 +278,11 @@ def reply_cache_path(recipe: Recipe) -> Path:
     return Path(recipe.data.regenerate_cache) if recipe.data.regenerate_cache else recipe.run_dir / "regen_cache.jsonl"
 
 
-def cached(generate: Callable[[list[list[dict]]], list[str | None]], cache: ReplyCache):
-    """`generate` that answers from `cache` first and adds what it had to generate."""
+def cached(generate: Callable[[list[Any]], list[Any]], cache: ReplyCache):
+    """`generate` that answers from `cache` first and adds what it had to generate (not a None: a failure).
+    Prompts are any JSON values: message lists for replies, continued texts for target-written turns."""
 
-    def run(prompts: list[list[dict]]) -> list[str | None]:
+    def run(prompts: list[Any]) -> list[Any]:
         replies = [cache.get(p) for p in prompts]
         todo = [i for i, reply in enumerate(replies) if reply is None]
         if todo:

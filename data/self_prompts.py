@@ -200,11 +200,6 @@ def hf_prompt_sampler(model: Any, tokenizer: Any, max_new_tokens: int, temperatu
     return sample
 
 
-def _sample_entry(cached: Any) -> dict | None:
-    """A cached sample as {"text", "ended"}; a bare string is a finished sample (the first cache format)."""
-    return {"text": cached, "ended": True} if isinstance(cached, str) else cached
-
-
 def endpoint_prompt_sampler(endpoint: str, model: str, tokenizer: Any, max_new_tokens: int, temperature: float,
                             top_p: float, workers: int, cache: ReplyCache | None = None, top_k: int = 0
                             ) -> Callable[..., list[str | None]]:
@@ -222,7 +217,6 @@ def endpoint_prompt_sampler(endpoint: str, model: str, tokenizer: Any, max_new_t
     url = base_url(endpoint) + "/completions"
     # vLLM and SGLang also stop on the EOS tokens of the model's generation config, as the built-in loop does
     stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    cache = cache or ReplyCache(None, {})
     asked: Counter = Counter()
 
     def one(prompt: str) -> dict:
@@ -236,6 +230,12 @@ def endpoint_prompt_sampler(endpoint: str, model: str, tokenizer: Any, max_new_t
                             "so far are kept in the reply cache")
         return {"text": choice["text"], "ended": choice.get("finish_reason") == "stop"}
 
+    def ask_server(keys: list[dict]) -> list[dict]:
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            return list(pool.map(one, [k["prompt"] for k in keys]))
+
+    ask = cached(ask_server, cache or ReplyCache(None, {}))
+
     def sample(steers: list[Steer | None] | int, histories: list[list[dict]] | None = None) -> list[str | None]:
         if isinstance(steers, int):
             steers = [None] * steers
@@ -245,12 +245,7 @@ def endpoint_prompt_sampler(endpoint: str, model: str, tokenizer: Any, max_new_t
         for head in heads:
             keys.append({"prompt": head, "occurrence": asked[head]})
             asked[head] += 1
-        samples = [_sample_entry(cache.get(k)) for k in keys]
-        todo = [i for i, sampled in enumerate(samples) if sampled is None]
-        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-            for i, sampled in zip(todo, pool.map(one, [heads[i] for i in todo])):
-                samples[i] = sampled
-        cache.add([(keys[i], samples[i]) for i in todo])  # unfinished ones too: a rerun needs no server
+        samples = ask(keys)  # unfinished ones are cached too: a rerun needs no server
         return [(s.opener if s else "") + x["text"] if x["ended"] else None for s, x in zip(steers, samples)]
 
     return sample

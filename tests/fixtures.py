@@ -8,6 +8,11 @@ corpus, with ChatML special tokens and the ChatML chat template that SmolLM2 and
 
 from __future__ import annotations
 
+import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 CHATML_TEMPLATE = (
@@ -93,3 +98,31 @@ def build_tiny_target(out_dir: str | Path, family: str = "llama", seed: int = 0,
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+class JsonHandler(BaseHTTPRequestHandler):
+    """Base of the tests' fake OpenAI-style servers: quiet, and `_send` answers with JSON."""
+
+    def log_message(self, *args):
+        return  # the test output is the assertions, not an access log
+
+    def _send(self, code: int, payload: dict) -> None:
+        body = json.dumps(payload).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@contextmanager
+def serving(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """`handler` on a loopback port in a thread; yields its base URL, stops it on exit."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()

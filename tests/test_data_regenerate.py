@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
+from fixtures import JsonHandler, serving
 
 from eyas.config import load_recipe
 from eyas.data.prepare import load_prepared, prepare
@@ -105,20 +104,9 @@ def test_long_prompts_are_left_alone():
     assert stats["kept: prompt beyond max_length"] == 1 and len(calls) == 1
 
 
-class FakeServer(BaseHTTPRequestHandler):
+class FakeServer(JsonHandler):
     requests: list = []
     fail_next = 1  # the first completion request gets a 500: the client must retry
-
-    def log_message(self, *args):
-        pass
-
-    def _send(self, code: int, payload: dict) -> None:
-        body = json.dumps(payload).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
 
     def do_GET(self):
         if self.path == "/v1/models":
@@ -141,12 +129,8 @@ class FakeServer(BaseHTTPRequestHandler):
 @pytest.fixture()
 def fake_server():
     FakeServer.requests, FakeServer.fail_next = [], 1
-    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeServer)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with serving(FakeServer) as url:
+        yield url
 
 
 def test_endpoint_regeneration_through_prepare(tmp_path, tiny_llama_dir, fake_server):

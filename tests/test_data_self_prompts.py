@@ -4,12 +4,11 @@ seeded sampling on a tiny target, and prepare end to end."""
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import torch
+from fixtures import JsonHandler, serving
 
 from eyas.config import load_recipe
 from eyas.data.prepare import load_prepared, prepare
@@ -322,25 +321,14 @@ def test_custom_categories_take_a_system_prompt_and_openers():
 # ----------------------------------------------------------------------------- through an endpoint
 
 
-class CompletionServer(BaseHTTPRequestHandler):
+class CompletionServer(JsonHandler):
     """An OpenAI-style server whose answer is a function of the request alone: /v1/completions
     continues a prompt with text fixed by the prompt, cut at max_tokens when the prompt asks
     for "never"; /v1/chat/completions echoes the last user turn."""
     requests: list = []
 
-    def log_message(self, *args):
-        pass
-
-    def _send(self, payload: dict) -> None:
-        body = json.dumps(payload).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
     def do_GET(self):
-        self._send({"object": "list", "data": [{"id": "fake-target", "object": "model"}]})
+        self._send(200, {"object": "list", "data": [{"id": "fake-target", "object": "model"}]})
 
     def do_POST(self):
         payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -348,21 +336,17 @@ class CompletionServer(BaseHTTPRequestHandler):
         if self.path == "/v1/completions":
             cut = "never" in payload["prompt"].lower()
             text = f" sample {payload.get('seed', 0)} of {len(payload['prompt'])}"
-            self._send({"choices": [{"index": 0, "text": text, "finish_reason": "length" if cut else "stop"}]})
+            self._send(200, {"choices": [{"index": 0, "text": text, "finish_reason": "length" if cut else "stop"}]})
         else:
             last_user = [m["content"] for m in payload["messages"] if m["role"] == "user"][-1]
-            self._send({"choices": [{"index": 0, "message": {"role": "assistant", "content": f"re: {last_user}"}}]})
+            self._send(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": f"re: {last_user}"}}]})
 
 
 @pytest.fixture()
 def completion_server():
     CompletionServer.requests = []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), CompletionServer)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with serving(CompletionServer) as url:
+        yield url
 
 
 def test_endpoint_sampler_continues_the_open_user_turn_and_resumes_from_its_cache(tmp_path, tiny_llama_dir,
