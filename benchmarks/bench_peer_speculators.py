@@ -545,23 +545,29 @@ def figures(counts: dict) -> dict:
 # ----------------------------------------------------------------------------- report
 
 
+def given_checkpoint(checkpoint: str) -> dict:
+    """A checkpoint trained elsewhere: its step from its folder name (step_00000160), no timings."""
+    step = re.search(r"step_(\d+)", checkpoint)
+    return {"steps": int(step.group(1)) if step else None, "train_s": None, "checkpoint": checkpoint, "given": True}
+
+
 def markdown(report: dict) -> str:
     serving, training = report["serving"], report["training"]
     k = len(serving[DRAFTS[0]]["acceptance_per_position"])
     head = " | ".join(f"acc@{d + 1}" for d in range(k))
     lines = [f"| draft | steps | train s | s/step | mean acceptance length | {head} | verifies | tokens | = target |",
              "|---|---|---|---|---|" + "---|" * k + "---|---|---|"]
-    for name in DRAFTS:
+    for name in serving:
         fig, tr = serving[name], training[name]
         wall = "n/a" if tr.get("train_s") is None else f"{tr['train_s']:.0f}"
         step = "n/a" if tr.get("step_s_median") is None else f"{tr['step_s_median']:.2f}"
         per = " | ".join(f"{c:.3f}" for c in fig["acceptance_per_position"])
         lines.append(f"| {name} | {tr.get('steps')} | {wall} | {step} | {fig['mean_acceptance_length']:.3f} | {per} | "
                      f"{fig['drafts']} | {fig['tokens']} | {fig['outputs_equal_target']} |")
-    lines += ["", "| category | prompts | " + " | ".join(f"{n} mean acceptance length" for n in DRAFTS) + " |",
-              "|---|---|" + "---|" * len(DRAFTS)]
+    lines += ["", "| category | prompts | " + " | ".join(f"{n} mean acceptance length" for n in serving) + " |",
+              "|---|---|" + "---|" * len(serving)]
     for category in serving[DRAFTS[0]]["per_category"]:
-        cells = [serving[n]["per_category"][category] for n in DRAFTS]
+        cells = [serving[n]["per_category"][category] for n in serving]
         lines.append(f"| {category} | {cells[0]['prompts']} | " + " | ".join(f"{c['mean_acceptance_length']:.3f}"
                                                                           for c in cells) + " |")
     return "\n".join(lines)
@@ -578,6 +584,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", default="/tmp/bench_peer_speculators", help="scratch folder (runs, drafts, logs)")
     parser.add_argument("--steps", type=int, default=136, help="optimizer steps, both trainers")
     parser.add_argument("--eyas-checkpoint", help="serve this eyas checkpoint instead of training one")
+    parser.add_argument("--also", nargs="*", default=[], metavar="NAME=CHECKPOINT",
+                        help="more eyas eagle3 checkpoints (other levers) served in the same engine run")
     parser.add_argument("--prompts", default=str(PROMPTS))
     parser.add_argument("--per-category", type=int, default=2, help="prompts per category of --prompts")
     parser.add_argument("--heldout", type=int, default=0, help="held-out prompts (0: all, -1: none)")
@@ -619,14 +627,17 @@ def main(argv: list[str] | None = None) -> int:
 
     training: dict = {}
     if args.eyas_checkpoint:
-        training["eyas"] = {"steps": None, "train_s": None, "checkpoint": args.eyas_checkpoint, "given": True}
+        training["eyas"] = given_checkpoint(args.eyas_checkpoint)
     else:
         training["eyas"] = train_eyas(args, work)
         mine = training["eyas"]
         print(f"bench_peer_speculators: eyas: {mine['steps']} steps in {mine['train_s']} s (child wall "
               f"{mine['wall_s']:.0f} s), last step {mine['last_step']}", flush=True)
-    exported = export_draft(training["eyas"]["checkpoint"], "vllm", work / "export-eyas", dtype="float32",
-                            speculative_tokens=args.k, target_path=target_dir)
+    also = dict(item.split("=", 1) for item in args.also)
+    for name, checkpoint in also.items():
+        training[name] = given_checkpoint(checkpoint)
+    exported = {name: export_draft(training[name]["checkpoint"], "vllm", work / f"export-{name}", dtype="float32",
+                                   speculative_tokens=args.k, target_path=target_dir) for name in ("eyas", *also)}
 
     spec = load_speculators(args.peers)
     print(f"bench_peer_speculators: training the speculators draft for {args.steps} steps", flush=True)
@@ -634,12 +645,13 @@ def main(argv: list[str] | None = None) -> int:
     peer = training["speculators"]
     print(f"bench_peer_speculators: speculators: {peer['steps']} steps in {peer['train_s']:.0f} s "
           f"(median {peer['step_s_median']:.2f} s/step), last step {peer['last_step']}", flush=True)
-    drafts = {"eyas": str(exported), "speculators": peer["checkpoint"]}
+    drafts = {"eyas": str(exported["eyas"]), "speculators": peer["checkpoint"],
+              **{name: str(exported[name]) for name in also}}
     serving = serve(target_dir, drafts, groups, args, work)
 
     report = {
-        "serving": {name: serving[name] for name in DRAFTS}, "training": training,
-        "vllm": {k: v for k, v in serving.items() if k not in DRAFTS},
+        "serving": {name: serving[name] for name in drafts}, "training": training,
+        "vllm": {k: v for k, v in serving.items() if k not in drafts},
         "drafts": drafts, "settings": vars(args),
         "prompts": {g["category"]: g["prompt_ids"] for g in groups},
         "like_for_like": ["samples and order (eyas TokenBudgetLoader)", "features (eyas ShardReader, fp8)",
@@ -670,7 +682,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(markdown(report))
-    for name in DRAFTS:
+    for name in drafts:
         fig = serving[name]
         print(f"BENCH peer_{name}_mean_acceptance_length {fig['mean_acceptance_length']:.3f} tokens/verify")
     ratio = serving["eyas"]["mean_acceptance_length"] / serving["speculators"]["mean_acceptance_length"]

@@ -105,44 +105,77 @@ def stage_describe() -> dict:
     return result
 
 
-def matrix_dir() -> Path:
-    return run_dir().parent / "widened-matrix"
+def matrix_dir(round_name: str = "") -> Path:
+    """The first round's folder, or a later round's below it (drafts trained after the first)."""
+    first = run_dir().parent / "widened-matrix"
+    return first / round_name if round_name else first
 
 
-def stage_matrix(drafts: dict[str, str], sampled: list[str], per_category: int, tokens: int) -> None:
-    """Every draft at T=0; at T=1 only those named in `sampled` (all when empty)."""
-    prompts = broad_subset(matrix_dir() / "broad-subset.jsonl", per_category)
-    for temperature in TEMPERATURES:
-        folder = matrix_dir() / f"T{temperature:g}"
+def matrix_rounds() -> list[Path]:
+    first = matrix_dir()
+    return [first] + sorted(p.parent for p in first.glob("*/drafts.json"))
+
+
+def stage_matrix(drafts: dict[str, str], sampled: list[str], per_category: int, tokens: int, round_name: str,
+                 temperatures: list[float], chat_run: str = "") -> None:
+    """Every draft at T=0; at T=1 only those named in `sampled` (all when empty). The prompts are the
+    broad subset, or with `chat_run` that run's held-out split (a quickstart run's held-out chat),
+    decoded under that run's recipe."""
+    out = matrix_dir(round_name)
+    if chat_run:
+        chat = (ROOT / chat_run).resolve()
+        recipe, suite = chat / "recipe.yaml", f"held-out of {chat_run}"
+        source = ["eval.prompts=heldout", f"run.output_dir={chat.parent}", f"run.name={chat.name}"]
+    else:
+        recipe, suite = RECIPE, "broad"
+        source = [f"eval.prompts={broad_subset(out / 'broad-subset.jsonl', per_category)}"]
+    for temperature in temperatures:
+        folder = out / f"T{temperature:g}"
         if (folder / "report.json").is_file():
             continue
         names = list(drafts) if temperature == 0 or not sampled else sampled
         paths = [str((ROOT / drafts[name] / "checkpoints" / "best").resolve()) for name in names]
-        eyas("eval", ["target.dtype=float32", f"eval.prompts={prompts}", "eval.max_prompts=0",
-                      f"eval.max_new_tokens={tokens}",
-                      "eval.engine=builtin", f"eval.temperature={temperature}", f"eval.output={folder}",
-                      "eval.shapes=" + json.dumps(SHAPES), "eval.drafts=" + json.dumps(paths)],
-             matrix_dir() / f"eval-T{temperature:g}.log")
-    (matrix_dir() / "drafts.json").write_text(json.dumps({"drafts": drafts, "sampled": sampled}, indent=1))
+        log = out / f"eval-T{temperature:g}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        run_stage("eval", recipe, ["target.dtype=float32", *source, "eval.max_prompts=0", f"eval.max_new_tokens={tokens}",
+                                   "eval.engine=builtin", f"eval.temperature={temperature}", f"eval.output={folder}",
+                                   "eval.shapes=" + json.dumps(SHAPES), "eval.drafts=" + json.dumps(paths)], log)
+    (out / "drafts.json").write_text(json.dumps({"drafts": drafts, "sampled": sampled, "suite": suite}, indent=1))
 
 
-def stage_report() -> dict:
-    saved = json.loads((matrix_dir() / "drafts.json").read_text())
-    drafts, sampled = saved["drafts"], saved["sampled"]
+def round_rows(folder: Path) -> tuple[dict, list[dict]]:
+    """One matrix round's drafts and its rows, draft by draft, in SHAPES order."""
+    saved = json.loads((folder / "drafts.json").read_text())
+    drafts, sampled, suite = saved["drafts"], saved["sampled"], saved.get("suite", "broad")
     rows = []
     for temperature in TEMPERATURES:
-        report = json.loads((matrix_dir() / f"T{temperature:g}" / "report.json").read_text())
+        if not (folder / f"T{temperature:g}" / "report.json").is_file():
+            continue  # a round run with --temperatures 0 only
+        report = json.loads((folder / f"T{temperature:g}" / "report.json").read_text())
         names = list(drafts) if temperature == 0 or not sampled else sampled
         # configs come draft by draft, each in SHAPES order (two runs may share a folder name: not used)
         for i, config in enumerate(report["configs"]):
             name = names[i // len(SHAPES)]
             if not config["draft"].startswith(Path(drafts[name]).name + ":"):  # eval labels a draft "<run>:best"
-                sys.exit(f"widened: {matrix_dir()} T={temperature:g} config {i} is {config['draft']}, not {name}")
-            rows.append({"draft": name, "temperature": temperature, "shape": config["shape"],
+                sys.exit(f"widened: {folder} T={temperature:g} config {i} is {config['draft']}, not {name}")
+            rows.append({"suite": suite, "draft": name, "temperature": temperature, "shape": config["shape"],
                          "tau": config["overall"]["tau"], "speedup": config["overall"]["speedup"],
                          "greedy_match": config["overall"].get("greedy_match"),
                          "per_category": {k: v["tau"] for k, v in config["per_category"].items()},
                          "per_turn": {k: v["tau"] for k, v in config["per_turn"].items()}})
+    return drafts, rows
+
+
+def stage_report() -> dict:
+    drafts: dict[str, str] = {}
+    rows: list[dict] = []
+    for folder in matrix_rounds():
+        found_drafts, found_rows = round_rows(folder)
+        clash = sorted(n for n in found_drafts if drafts.get(n, found_drafts[n]) != found_drafts[n])
+        if clash:
+            sys.exit(f"widened: {folder} names {clash} for other runs than an earlier round; give them new names")
+        drafts.update(found_drafts)
+        rows += found_rows
     result = {"rows": rows, "drafts": drafts, "shapes": SHAPES, "machine": machine(),
               "versions": versions("torch", "transformers"), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -154,15 +187,20 @@ def stage_report() -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    categories = sorted({c for r in rows for c in r["per_category"]})
-    head = ["draft", "T", "shape", "τ", "turn 1", "turn 2", *categories]
-    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    for r in rows:
-        cells = [r["draft"], f"{r['temperature']:g}", r["shape"], f"{r['tau']:.3f}",
-                 *(f"{r['per_turn'].get(t, float('nan')):.2f}" for t in ("1", "2")),
-                 *(f"{r['per_category'].get(c, float('nan')):.2f}" for c in categories)]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    """One table per prompt suite (the broad set, a run's held-out chat), a column per category."""
+    lines: list[str] = []
+    for suite in dict.fromkeys(r["suite"] for r in rows):
+        chosen = [r for r in rows if r["suite"] == suite]
+        categories = sorted({c for r in chosen for c in r["per_category"]})
+        head = ["draft", "T", "shape", "τ", "turn 1", "turn 2", *categories]
+        lines += [f"Prompts: {suite}", "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+        for r in chosen:
+            cells = [r["draft"], f"{r['temperature']:g}", r["shape"], f"{r['tau']:.3f}",
+                     *(f"{r['per_turn'].get(t, float('nan')):.2f}" for t in ("1", "2")),
+                     *(f"{r['per_category'].get(c, float('nan')):.2f}" for c in categories)]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -174,6 +212,12 @@ def main() -> None:
                         help="matrix: the drafts also measured at T=1 (default: all)")
     parser.add_argument("--per-category", type=int, default=2, help="matrix: broad-set prompts per category")
     parser.add_argument("--tokens", type=int, default=32, help="matrix: new tokens per turn")
+    parser.add_argument("--round", default="", metavar="NAME",
+                        help="matrix: a later round of drafts, kept in widened-matrix/NAME (report reads every round)")
+    parser.add_argument("--chat-run", default="", metavar="RUN_DIR",
+                        help="matrix: decode that run's held-out split (held-out chat) instead of the broad subset")
+    parser.add_argument("--temperatures", nargs="+", type=float, default=list(TEMPERATURES), choices=TEMPERATURES,
+                        help="matrix: the temperatures to run")
     args = parser.parse_args()
     os.chdir(ROOT)
     if args.stage == "generate":
@@ -189,7 +233,7 @@ def main() -> None:
         unknown = sorted(set(args.sampled) - set(drafts))
         if unknown:
             sys.exit(f"widened: --sampled names {unknown}, which --drafts does not")
-        stage_matrix(drafts, args.sampled, args.per_category, args.tokens)
+        stage_matrix(drafts, args.sampled, args.per_category, args.tokens, args.round, args.temperatures, args.chat_run)
         stage_report()
     else:
         stage_report()
