@@ -17,11 +17,13 @@ prepared/, shards/ with fp8 features of the fused layers 2/15/27 and the last hi
     with its `save_pretrained`;
   * eyas: `python -m eyas.cli train` on a run folder whose prepared/ and shards/ are links to the
     quickstart's (or --eyas-checkpoint), exported with `eyas.train.export.export_draft(to=vllm)`;
-and serves the target alone, then each draft (vLLM 0.32, fp32, K=3, T=0) in one child process,
-over the first turn of --per-category prompts of each category of benchmarks/prompts/broad.jsonl
-plus the quickstart's held-out chat prompts, one generate() per category so vLLM's spec-decode
-counters give per-category figures. Results: benchmarks/results/bench_peer_speculators.json and
-a Markdown table.
+and serves the target alone, then each draft (vLLM 0.32, fp32, K=3, T=0; --also adds more eyas
+checkpoints to the same run) in one child process, over the first turn of --per-category prompts
+of each category of benchmarks/prompts/broad.jsonl plus the --run's held-out prompts, one
+generate() per category so vLLM's spec-decode counters give per-category figures. Results:
+benchmarks/results/bench_peer_speculators.json (--out) and a Markdown table. On the widened data
+(160 steps of 4,096 tokens, 2 idle cores) the peer trained at 8.05 s a step and vLLM took 11
+minutes for 4 engines x 69 prompts x 128 tokens.
 
 Time: the peer's step is several times slower than eyas's on a CPU (its dense [T, (k+1)T]
 attention mask, dtype casts): about 10-17 s against eyas's 2-5 s at 2048 tokens on 2 busy
