@@ -409,10 +409,10 @@ def child(job_path: str, result_path: str) -> int:
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from eyas.eval.engine_vllm import SHARED_FROM_TARGET, _metrics, _record_loads
+        from eyas.eval.engine_vllm import SHARED_FROM_TARGET, record_loads, spec_decode_counters
 
         records: list[dict] = []
-        _record_loads(records)
+        record_loads(records)
         params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"], seed=job["seed"])
         biggest = max(len(g["ids"]) for g in job["groups"])
         for run in job["runs"]:
@@ -430,14 +430,14 @@ def child(job_path: str, result_path: str) -> int:
                          SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
             groups = []
             for group in job["groups"]:
-                before = _metrics(llm) if spec else None
+                before = spec_decode_counters(llm) if spec else None
                 began = time.perf_counter()
                 outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in group["ids"]], params,
                                        use_tqdm=False)
                 seconds = time.perf_counter() - began
                 counters = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": []}
                 if spec:
-                    after = _metrics(llm)
+                    after = spec_decode_counters(llm)
                     counters = {key: after[key] - before[key] for key in ("drafts", "draft_tokens", "accepted")}
                     old = before["accepted_per_pos"] or [0] * len(after["accepted_per_pos"])
                     counters["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], old)]
@@ -462,12 +462,12 @@ def serve(target_dir: str, drafts: dict[str, str], groups: list[dict], args: arg
     from eyas.eval.engine_vllm import (
         VllmResult,
         VllmRun,
-        _attach_log_warnings,
-        _check_load,
-        _child_env,
-        _stop,
+        attach_log_warnings,
+        check_load,
         check_vllm_version,
+        child_env,
         require_vllm,
+        stop_process,
         vllm_python,
     )
 
@@ -487,11 +487,11 @@ def serve(target_dir: str, drafts: dict[str, str], groups: list[dict], args: arg
     with open(log, "w") as out:
         proc = subprocess.Popen([vllm_python(), str(Path(__file__).resolve()), "--child", str(folder / "job.json"),
                                  str(folder / "result.json")], stdout=out, stderr=subprocess.STDOUT,
-                                env=_child_env(1, None), start_new_session=True)
+                                env=child_env(1, None), start_new_session=True)
         try:
             proc.wait(timeout=args.vllm_timeout)
         except subprocess.TimeoutExpired:
-            _stop(proc)
+            stop_process(proc)
             raise SystemExit(f"bench_peer_speculators: vLLM did not finish in {args.vllm_timeout} s (log {log})") from None
     if not (folder / "result.json").is_file():
         raise SystemExit(f"bench_peer_speculators: vLLM exited with {proc.returncode} without results (log {log})")
@@ -507,9 +507,9 @@ def serve(target_dir: str, drafts: dict[str, str], groups: list[dict], args: arg
                                   startup_seconds=run["startup_seconds"], drafts=total["drafts"],
                                   draft_tokens=total["draft_tokens"], accepted=total["accepted"],
                                   accepted_per_pos=total["accepted_per_pos"], unloaded=run["unloaded"]))
-    _attach_log_warnings(results, log)
+    attach_log_warnings(results, log)
     for run, result in zip(runs, results):
-        _check_load(run, result, log)  # EyasError: a tensor of the draft was not loaded
+        check_load(run, result, log)  # EyasError: a tensor of the draft was not loaded
     target = results[0]
     report = {"vllm_version": version, "seconds": time.perf_counter() - started, "log": str(log),
               "target": {"tokens": target.tokens, "seconds": target.seconds, "tokens_per_s": target.tokens_per_s}}

@@ -150,7 +150,7 @@ def _log_tail(log: Path, lines: int = LOG_TAIL) -> str:
     return "\n".join(text[-lines:])
 
 
-def _child_env(kv_cache_gib: float, threads: int | None) -> dict:
+def child_env(kv_cache_gib: float, threads: int | None) -> dict:
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # engine core in the child itself: one log, one PID
@@ -162,7 +162,7 @@ def _child_env(kv_cache_gib: float, threads: int | None) -> dict:
     return env
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop_process(proc: subprocess.Popen) -> None:
     """Stop a child we started and everything in its process group (it has its own session):
     SIGTERM, up to 20 s for the group to go, then SIGKILL."""
     def group_alive() -> bool:
@@ -213,11 +213,11 @@ def offline_runs(target: str | Path, prompts: list[list[int]], max_new_tokens: i
     with open(log, "w") as out:
         proc = subprocess.Popen([python, "-m", "eyas.eval.engine_vllm", "offline", str(work / "job.json"),
                                  str(work / "result.json")], stdout=out, stderr=subprocess.STDOUT,
-                                env=_child_env(kv_cache_gib, threads), start_new_session=True)
+                                env=child_env(kv_cache_gib, threads), start_new_session=True)
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _stop(proc)
+            stop_process(proc)
             raise EyasError(f"vLLM did not finish {len(runs)} run(s) in {timeout:.0f} s and was stopped; "
                             f"last lines of {log}:\n{_log_tail(log)}") from None
     result_path = work / "result.json"
@@ -228,13 +228,13 @@ def offline_runs(target: str | Path, prompts: list[list[int]], max_new_tokens: i
     if raw.get("error"):
         raise EyasError(f"vLLM failed in run '{raw.get('run')}': {raw['error']} (log: {log})")
     results = [VllmResult(**r) for r in raw["results"]]
-    _attach_log_warnings(results, log)
+    attach_log_warnings(results, log)
     for run, result in zip(runs, results):
-        _check_load(run, result, log)
+        check_load(run, result, log)
     return results
 
 
-def _check_load(run: VllmRun, result: VllmResult, log: Path) -> None:
+def check_load(run: VllmRun, result: VllmResult, log: Path) -> None:
     if not run.draft:
         return
     if result.unloaded:
@@ -385,7 +385,7 @@ def engine_eval(specs: list[str], shapes: list, encoded: list, builtin: dict, ta
 # ----------------------------------------------------------------------------- the child
 
 
-def _record_loads(records: list[dict]) -> None:
+def record_loads(records: list[dict]) -> None:
     """Wrap AutoWeightsLoader.load_weights: record what each model loaded and what it did not."""
     from vllm.model_executor.models import utils
 
@@ -404,7 +404,7 @@ def _record_loads(records: list[dict]) -> None:
     utils.AutoWeightsLoader.load_weights = load_weights
 
 
-def _metrics(llm: Any) -> dict:
+def spec_decode_counters(llm: Any) -> dict:
     found: dict = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": []}
     names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
              "vllm:spec_decode_num_accepted_tokens": "accepted"}
@@ -427,7 +427,7 @@ def _child_offline(job_path: str, result_path: str) -> int:
         from vllm.inputs import TokensPrompt
 
         records: list[dict] = []
-        _record_loads(records)
+        record_loads(records)
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]]
         params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"], seed=job["seed"])
         for run in job["runs"]:
@@ -444,11 +444,11 @@ def _child_offline(job_path: str, result_path: str) -> int:
             startup = time.perf_counter() - started
             print("EYAS_LOADED", flush=True)
             llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
-            before = _metrics(llm) if spec else None
+            before = spec_decode_counters(llm) if spec else None
             started = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - started
-            metrics = _metrics(llm) if spec else {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": []}
+            metrics = spec_decode_counters(llm) if spec else {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": []}
             if before:  # the counters are cumulative: take away the warm-up's
                 for key in ("drafts", "draft_tokens", "accepted"):
                     metrics[key] -= before[key]
@@ -473,7 +473,7 @@ def _child_offline(job_path: str, result_path: str) -> int:
     return 0
 
 
-def _attach_log_warnings(results: list[VllmResult], log: Path) -> None:
+def attach_log_warnings(results: list[VllmResult], log: Path) -> None:
     """Warnings vLLM logged between a run's start and the end of its loading, per run."""
     current, loading = None, False
     by_name = {r.name: r for r in results}
@@ -530,7 +530,7 @@ class VllmServer:
                    "--port", str(self.port), "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
                    "--served-model-name", self.served_name, "--enforce-eager", "--seed", "0",
                    "--disable-uvicorn-access-log", *self.extra_args]
-        env = _child_env(self.kv_cache_gib, None)
+        env = child_env(self.kv_cache_gib, None)
         if not self.in_process_engine:
             env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the server keeps its engine core process (same group)
         with open(self.log, "w") as out:
@@ -554,7 +554,7 @@ class VllmServer:
 
     def stop(self) -> None:
         if self.proc is not None:
-            _stop(self.proc)
+            stop_process(self.proc)
 
     def __enter__(self) -> VllmServer:
         return self.start()
