@@ -8,6 +8,18 @@ and the drafts measured per category and per turn at T=0 and T=1 on the broad se
     python benchmarks/study_widened.py matrix --drafts eagle3=runs/widened-levers/init-target \\
         eagle3-random-init=runs/widened-levers/base mtp3=runs/widened-levers/mtp3-target \\
         quickstart-data=runs/levers/init-target --sampled eagle3 mtp3
+    # later drafts (more levers, a longer run), and the same drafts on a quickstart run's held-out chat
+    python benchmarks/study_levers.py --data runs/widened --out runs/widened-levers --tag widened \
+        --steps 160 --stage train --only norm-variants mtp3-chain
+    python benchmarks/study_levers.py --data runs/widened --out runs/widened-long --tag widened-long \
+        --steps 524 --stage train --only mtp3-target
+    python benchmarks/study_widened.py matrix --round round2 --temperatures 0 \
+        --drafts eagle3-norms=runs/widened-levers/norm-variants mtp3-chain-feed=runs/widened-levers/mtp3-chain \
+        mtp3-2-epochs=runs/widened-long/mtp3-target
+    python benchmarks/study_widened.py matrix --round chat --chat-run runs/levers/base --temperatures 0 \
+        --tokens 40 --drafts eagle3=runs/widened-levers/init-target mtp3=runs/widened-levers/mtp3-target \
+        mtp3-2-epochs=runs/widened-long/mtp3-target quickstart-data=runs/levers/init-target \
+        quickstart-data-mtp3=runs/levers/mtp3-target
     python benchmarks/study_widened.py report
 
 `generate` starts `vllm serve` of the target (bf16, 128 sequences at once, the engine in the
@@ -24,7 +36,9 @@ target, where every output must equal the target's own greedy output.
 prompt, eyas.eval.runner), on the first `--per-category` prompts of each category of
 `benchmarks/prompts/broad.jsonl` (both turns of the two-turn ones; the second asked after the
 target's own answer to the first), with `chain:3` and a dynamic tree 3 deep (the mtp heads have 3
-layers; the eagle3 drafts, trained with TTT 3, accept almost nothing deeper). Results:
+layers; the eagle3 drafts, trained with TTT 3, accept almost nothing deeper). `--round NAME` keeps a
+later set of drafts in widened-matrix/NAME; `--chat-run` decodes a run's held-out split (a quickstart
+run's held-out chat) under that run's recipe instead. `report` reads every round. Results:
 benchmarks/results/study_widened.{json,md}.
 """
 
@@ -186,6 +200,10 @@ def stage_report() -> dict:
     return result
 
 
+def cell(taus: dict, key: str) -> str:
+    return f"{taus[key]:.2f}" if key in taus else "-"  # held-out chat has no second turns
+
+
 def markdown(rows: list[dict]) -> str:
     """One table per prompt suite (the broad set, a run's held-out chat), a column per category."""
     lines: list[str] = []
@@ -196,8 +214,7 @@ def markdown(rows: list[dict]) -> str:
         lines += [f"Prompts: {suite}", "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
         for r in chosen:
             cells = [r["draft"], f"{r['temperature']:g}", r["shape"], f"{r['tau']:.3f}",
-                     *(f"{r['per_turn'].get(t, float('nan')):.2f}" for t in ("1", "2")),
-                     *(f"{r['per_category'].get(c, float('nan')):.2f}" for c in categories)]
+                     *(cell(r["per_turn"], t) for t in ("1", "2")), *(cell(r["per_category"], c) for c in categories)]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
