@@ -65,10 +65,10 @@ SHAPES = ["chain:3", "dynamic:depth=3,topk=4,nodes=12"]
 TEMPERATURES = (0.0, 1.0)
 
 
-def eyas(stage: str, overrides: list[str], log: Path) -> float:
-    """One `eyas <stage>` on the widened recipe; wall seconds (exits naming the log on failure)."""
+def eyas(stage: str, overrides: list[str], log: Path, recipe: Path = RECIPE) -> float:
+    """One `eyas <stage>` on the widened recipe (or another); wall seconds (exits naming the log on failure)."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    return run_stage(stage, RECIPE, overrides, log)
+    return run_stage(stage, recipe, overrides, log)
 
 
 def run_dir() -> Path:
@@ -149,11 +149,10 @@ def stage_matrix(drafts: dict[str, str], sampled: list[str], per_category: int, 
             continue
         names = list(drafts) if temperature == 0 or not sampled else sampled
         paths = [str((ROOT / drafts[name] / "checkpoints" / "best").resolve()) for name in names]
-        log = out / f"eval-T{temperature:g}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        run_stage("eval", recipe, ["target.dtype=float32", *source, "eval.max_prompts=0", f"eval.max_new_tokens={tokens}",
-                                   "eval.engine=builtin", f"eval.temperature={temperature}", f"eval.output={folder}",
-                                   "eval.shapes=" + json.dumps(SHAPES), "eval.drafts=" + json.dumps(paths)], log)
+        eyas("eval", ["target.dtype=float32", *source, "eval.max_prompts=0", f"eval.max_new_tokens={tokens}",
+                      "eval.engine=builtin", f"eval.temperature={temperature}", f"eval.output={folder}",
+                      "eval.shapes=" + json.dumps(SHAPES), "eval.drafts=" + json.dumps(paths)],
+             out / f"eval-T{temperature:g}.log", recipe)
     (out / "drafts.json").write_text(json.dumps({"drafts": drafts, "sampled": sampled, "suite": suite}, indent=1))
 
 
