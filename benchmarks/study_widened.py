@@ -131,10 +131,10 @@ def matrix_rounds() -> list[Path]:
 
 
 def stage_matrix(drafts: dict[str, str], sampled: list[str], per_category: int, tokens: int, round_name: str,
-                 temperatures: list[float], chat_run: str = "") -> None:
-    """Every draft at T=0; at T=1 only those named in `sampled` (all when empty). The prompts are the
-    broad subset, or with `chat_run` that run's held-out split (a quickstart run's held-out chat),
-    decoded under that run's recipe."""
+                 temperatures: list[float], chat_run: str = "", shapes: list[str] = SHAPES) -> None:
+    """Every draft at T=0; at T=1 only those named in `sampled` (all when empty), each in every one of
+    `shapes`. The prompts are the broad subset, or with `chat_run` that run's held-out split (a
+    quickstart run's held-out chat), decoded under that run's recipe."""
     out = matrix_dir(round_name)
     if chat_run:
         chat = (ROOT / chat_run).resolve()
@@ -151,24 +151,26 @@ def stage_matrix(drafts: dict[str, str], sampled: list[str], per_category: int, 
         paths = [str((ROOT / drafts[name] / "checkpoints" / "best").resolve()) for name in names]
         eyas("eval", ["target.dtype=float32", *source, "eval.max_prompts=0", f"eval.max_new_tokens={tokens}",
                       "eval.engine=builtin", f"eval.temperature={temperature}", f"eval.output={folder}",
-                      "eval.shapes=" + json.dumps(SHAPES), "eval.drafts=" + json.dumps(paths)],
+                      "eval.shapes=" + json.dumps(shapes), "eval.drafts=" + json.dumps(paths)],
              out / f"eval-T{temperature:g}.log", recipe)
-    (out / "drafts.json").write_text(json.dumps({"drafts": drafts, "sampled": sampled, "suite": suite}, indent=1))
+    saved = {"drafts": drafts, "sampled": sampled, "suite": suite, "shapes": shapes}
+    (out / "drafts.json").write_text(json.dumps(saved, indent=1))
 
 
 def round_rows(folder: Path) -> tuple[dict, list[dict]]:
-    """One matrix round's drafts and its rows, draft by draft, in SHAPES order."""
+    """One matrix round's drafts and its rows, draft by draft, each in the round's shapes' order."""
     saved = json.loads((folder / "drafts.json").read_text())
     drafts, sampled, suite = saved["drafts"], saved["sampled"], saved.get("suite", "broad")
+    shapes = saved.get("shapes", SHAPES)  # rounds before --shapes ran SHAPES
     rows = []
     for temperature in TEMPERATURES:
         if not (folder / f"T{temperature:g}" / "report.json").is_file():
             continue  # a round run with --temperatures 0 only
         report = json.loads((folder / f"T{temperature:g}" / "report.json").read_text())
         names = list(drafts) if temperature == 0 or not sampled else sampled
-        # configs come draft by draft, each in SHAPES order (two runs may share a folder name: not used)
+        # configs come draft by draft, each in shapes order (two runs may share a folder name: not used)
         for i, config in enumerate(report["configs"]):
-            name = names[i // len(SHAPES)]
+            name = names[i // len(shapes)]
             if not config["draft"].startswith(Path(drafts[name]).name + ":"):  # eval labels a draft "<run>:best"
                 sys.exit(f"widened: {folder} T={temperature:g} config {i} is {config['draft']}, not {name}")
             rows.append({"suite": suite, "draft": name, "temperature": temperature, "shape": config["shape"],
@@ -189,7 +191,7 @@ def stage_report() -> dict:
             sys.exit(f"widened: {folder} names {clash} for other runs than an earlier round; give them new names")
         drafts.update(found_drafts)
         rows += found_rows
-    result = {"rows": rows, "drafts": drafts, "shapes": SHAPES, "machine": machine(),
+    result = {"rows": rows, "drafts": drafts, "shapes": list(dict.fromkeys(r["shape"] for r in rows)), "machine": machine(),
               "versions": versions("torch", "transformers"), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "study_widened.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -234,6 +236,9 @@ def main() -> None:
                         help="matrix: decode that run's held-out split (held-out chat) instead of the broad subset")
     parser.add_argument("--temperatures", nargs="+", type=float, default=list(TEMPERATURES), choices=TEMPERATURES,
                         help="matrix: the temperatures to run")
+    parser.add_argument("--shapes", nargs="+", default=SHAPES, metavar="SHAPE",
+                        help="matrix: the tree shapes, as eval.shapes spells them (default: chain:3 and a dynamic tree 3 deep;"
+                             " a 2-layer mtp draft cannot go 3 deep)")
     args = parser.parse_args()
     os.chdir(ROOT)
     if args.stage == "generate":
@@ -249,7 +254,8 @@ def main() -> None:
         unknown = sorted(set(args.sampled) - set(drafts))
         if unknown:
             sys.exit(f"widened: --sampled names {unknown}, which --drafts does not")
-        stage_matrix(drafts, args.sampled, args.per_category, args.tokens, args.round, args.temperatures, args.chat_run)
+        stage_matrix(drafts, args.sampled, args.per_category, args.tokens, args.round, args.temperatures, args.chat_run,
+                     args.shapes)
         stage_report()
     else:
         stage_report()
