@@ -53,8 +53,8 @@ VARIANTS = {
     "mtp3-chain": ["draft.kind=mtp", "draft.num_steps=3", "draft.mtp_feed=chain"],
     "mtp3-target": ["draft.kind=mtp", "draft.num_steps=3", "draft.mtp_feed=target"],
     # the number of mtp heads (each one more layer trained per step, and one more step it can draft)
-    "mtp2-target": ["draft.kind=mtp", "draft.num_steps=2", "draft.mtp_feed=target"],
-    "mtp5-target": ["draft.kind=mtp", "draft.num_steps=5", "draft.mtp_feed=target"],
+    "mtp2-target": ["draft.kind=mtp", "draft.num_steps=2", "draft.mtp_feed=target", "train.ttt_steps=2"],
+    "mtp5-target": ["draft.kind=mtp", "draft.num_steps=5", "draft.mtp_feed=target", "train.ttt_steps=5"],
     "mtp3-target-init": ["draft.kind=mtp", "draft.num_steps=3", "draft.mtp_feed=target",
                          "train.draft_init=target_last_layer"],
 }

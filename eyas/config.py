@@ -191,7 +191,7 @@ class TrainConfig:
     weight_decay: float = _doc("AdamW weight decay.", 0.0)
     betas: list = _doc("AdamW betas.", factory=lambda: [0.9, 0.95])
     max_grad_norm: float = _doc("Gradient clipping norm (0: off).", 0.5)
-    ttt_steps: int = _doc("eagle3/mtp: training-time-test unroll length.", 7)
+    ttt_steps: int = _doc("eagle3/mtp: training-time-test unroll length (mtp: equal to draft.num_steps, one step per layer).", 7)
     ttt_decay: float = _doc("Weight of unrolled step k is ttt_decay**k.", 0.8)
     ttt_ramp_steps: int = _doc(
         "eagle3/mtp: start the unroll shallow: depth 1 at step 0, one step deeper every ttt_ramp_steps/ttt_steps "
@@ -545,10 +545,19 @@ def check_against_target(recipe: Recipe, target_config: Any) -> None:
                 f"recipe key 'dump.layers' has index {idx}, but the target has {depth} layers "
                 f"(HF hidden_states indices 0..{depth}); the default is {default_layers(depth)}"
             )
-    if recipe.draft.kind == "mtp" and recipe.train.ttt_steps > recipe.draft.num_steps:
+    steps, layers = recipe.train.ttt_steps, recipe.draft.num_steps
+    if recipe.draft.kind == "mtp" and steps > layers:
         raise EyasError(
-            f"recipe key 'train.ttt_steps' is {recipe.train.ttt_steps} but an mtp draft has only "
-            f"draft.num_steps={recipe.draft.num_steps} layers; set train.ttt_steps <= draft.num_steps"
+            f"recipe key 'train.ttt_steps' is {steps} but an mtp draft has only "
+            f"draft.num_steps={layers} layers; set train.ttt_steps <= draft.num_steps"
+        )
+    if recipe.draft.kind == "mtp" and steps < layers:
+        # each mtp layer drafts one step and learns only from its own step of the unroll: the layers
+        # past it would keep their random init, and eval and engines would still draft with them
+        raise EyasError(
+            f"recipe key 'train.ttt_steps' is {steps} but the mtp draft has draft.num_steps={layers} layers: "
+            f"layers {steps + 1}-{layers} would get no gradient and draft at their random init; "
+            f"set train.ttt_steps={layers} (or draft.num_steps={steps})"
         )
 
 

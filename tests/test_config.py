@@ -103,6 +103,15 @@ def test_mtp_ttt_longer_than_its_layers_is_refused():
         check_against_target(r, SimpleNamespace(num_hidden_layers=6))
 
 
+def test_mtp_layers_past_the_unroll_are_refused():
+    """A 5-layer mtp draft unrolled 3 deep would serve layers 4-5 untrained."""
+    r = load_recipe(None, ["draft.kind=mtp", "draft.num_steps=5", "train.ttt_steps=3"])
+    with pytest.raises(EyasError, match=r"layers 4-5 would get no gradient.*train.ttt_steps=5"):
+        check_against_target(r, SimpleNamespace(num_hidden_layers=6))
+    check_against_target(load_recipe(None, ["draft.kind=mtp", "draft.num_steps=5", "train.ttt_steps=5"]),
+                         SimpleNamespace(num_hidden_layers=6))
+
+
 def test_loss_mix():
     assert parse_loss_mix("forward_kl") == {"forward_kl": 1.0}
     assert parse_loss_mix("forward_kl:0.9, ce:0.1") == {"forward_kl": 0.9, "ce": 0.1}

@@ -299,9 +299,9 @@ class Trainer:
         # EAGLE-1 trains one step (plus its feature regression); the held-out eval unrolls the full depth
         self.train_steps = 1 if self.kind_class.feature_regression else self.cfg.ttt_steps
         self.eval_steps = self.cfg.ttt_steps
-        # per-step layers past the unroll depth get no gradient (always, or while the depth ramps up)
-        unused = not self.kind_class.shares_layer and (self.train_steps < recipe.draft.num_steps
-                                                       or self.cfg.ttt_ramp_steps > 0)
+        # per-step layers past the unroll depth get no gradient while the depth ramps up (an unroll
+        # shorter than an mtp draft's layers is refused by check_against_target)
+        unused = not self.kind_class.shares_layer and self.cfg.ttt_ramp_steps > 0
         self.accelerator = make_accelerator(recipe, find_unused=unused)
         self.device = self.accelerator.device
         self.source = open_source(recipe, target_config, self.identity, self.device, target_model)
