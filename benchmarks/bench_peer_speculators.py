@@ -636,8 +636,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_peer_speculators: eyas: {mine['steps']} steps in {mine['train_s']} s (child wall "
               f"{mine['wall_s']:.0f} s), last step {mine['last_step']}", flush=True)
     also = dict(item.split("=", 1) for item in args.also)
-    if set(also) & set(DRAFTS):
-        raise SystemExit(f"bench_peer_speculators: --also names {sorted(set(also) & set(DRAFTS))}, which this benchmark "
+    taken = sorted(set(also) & set(DRAFTS))
+    if taken:
+        raise SystemExit(f"bench_peer_speculators: --also names {taken}, which this benchmark "
                          "uses for its own drafts; give them other names")
     for name, checkpoint in also.items():
         training[name] = given_checkpoint(checkpoint)

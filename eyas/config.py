@@ -546,12 +546,12 @@ def check_against_target(recipe: Recipe, target_config: Any) -> None:
                 f"(HF hidden_states indices 0..{depth}); the default is {default_layers(depth)}"
             )
     steps, layers = recipe.train.ttt_steps, recipe.draft.num_steps
-    if recipe.draft.kind == "mtp" and steps > layers:
-        raise EyasError(
-            f"recipe key 'train.ttt_steps' is {steps} but an mtp draft has only "
-            f"draft.num_steps={layers} layers; set train.ttt_steps <= draft.num_steps"
-        )
-    if recipe.draft.kind == "mtp" and steps < layers:
+    if recipe.draft.kind == "mtp" and steps != layers:
+        if steps > layers:
+            raise EyasError(
+                f"recipe key 'train.ttt_steps' is {steps} but an mtp draft has only "
+                f"draft.num_steps={layers} layers; set train.ttt_steps <= draft.num_steps"
+            )
         # each mtp layer drafts one step and learns only from its own step of the unroll: the layers
         # past it would keep their random init, and eval and engines would still draft with them
         raise EyasError(
