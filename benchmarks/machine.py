@@ -1,12 +1,33 @@
 """What a benchmark ran on, recorded in every results JSON: the machine (with its load, since
-timings here are ratios taken on a shared machine) and the versions of the libraries measured."""
+timings here are ratios taken on a shared machine) and the versions of the libraries measured.
+
+Also what every script's `--smoke` shares: where a smoke run writes (never benchmarks/results/,
+which holds the published figures) and the tiny target and run it measures instead of SmolLM2,
+built in code through tests/fixtures.py as the test suite builds its own, so a smoke run takes
+seconds and runs the script's real code path end to end.
+"""
 
 from __future__ import annotations
 
 import os
 import platform
 import sys
+import tempfile
 from importlib import metadata
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+# The tiny target of every smoke run: head_dim 64 (vLLM's CPU attention takes no smaller head) and
+# 8 layers, so EAGLE-3's default fused layers (2, 4, 5) are three distinct ones.
+TINY_TARGET = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1,
+               "num_hidden_layers": 8}
+# The quickstart recipe cut to seconds: a few dozen chitchat exchanges with their human replies
+# (no regeneration), short samples, a 128-token draft vocabulary, a fifth held out for eval prompts.
+SMOKE_RUN = ["data.max_samples=48", "data.max_length=96", "data.regenerate=false", "data.heldout_fraction=0.2",
+             "dump.draft_vocab_size=128", "dump.token_budget=512", "dump.shard_tokens=2048", "train.token_budget=256",
+             "train.epochs=1", "train.warmup_steps=1", "train.eval_batches=1", "train.log_every=1",
+             "eval.max_prompts=2", "eval.max_new_tokens=8"]
 
 
 def machine() -> dict:
@@ -30,3 +51,56 @@ def versions(*packages: str) -> dict:
         except metadata.PackageNotFoundError:
             found[name] = None
     return found
+
+
+def output_path(out: str | None, default: Path, smoke: bool, folder: Path | None = None) -> Path:
+    """The file a run writes: `--out` when given, else `default` (benchmarks/results/...) for a real
+    run, and for `--smoke` the run's own temporary `folder` (or a fresh one). A smoke run refuses
+    benchmarks/results/: its tiny-shape figures must never replace a published one."""
+    if out:
+        path = Path(out).resolve()
+        if smoke and RESULTS in (path, *path.parents):
+            raise SystemExit(f"--smoke writes outside {RESULTS} (it holds the published figures); give another --out")
+        return path
+    if smoke:
+        return (folder or smoke_dir(default.stem)) / default.name
+    return default
+
+
+def smoke_dir(name: str) -> Path:
+    """A fresh temporary folder for one smoke run (under $TMPDIR, which the smoke test points at its own)."""
+    return Path(tempfile.mkdtemp(prefix=f"eyas-smoke-{name}-"))
+
+
+def smoke_note(script: str) -> None:
+    print(f"# {script} --smoke: tiny target and shapes, one repeat; the figures test the plumbing, they measure nothing",
+          flush=True)
+
+
+def tiny_target(folder: Path) -> Path:
+    """A tiny Llama target with a real tokenizer and chat template, saved to `folder` (tests/fixtures.py)."""
+    if (folder / "config.json").is_file():
+        return folder
+    sys.path.insert(0, str(REPO / "tests"))
+    try:
+        from fixtures import build_tiny_target
+    finally:
+        sys.path.remove(str(REPO / "tests"))
+    return build_tiny_target(folder, "llama", **TINY_TARGET)
+
+
+def tiny_run(root: Path, overrides: list[str] | tuple[str, ...] = (), name: str = "quickstart") -> Path:
+    """A quickstart run prepared and dumped on the tiny target (recipe.yaml, prepared/, shards/), as
+    `eyas quickstart` leaves one before training: what the studies and bench_peer_speculators read."""
+    from eyas.config import load_recipe, save_resolved
+    from eyas.data.dump import dump
+    from eyas.data.prepare import prepare
+    from eyas.quickstart import packaged_recipe
+
+    target = tiny_target(root / "target")
+    recipe = load_recipe(packaged_recipe(), [f"target.path={target}", f"run.output_dir={root}", f"run.name={name}",
+                                             *SMOKE_RUN, *overrides])
+    prepare(recipe)
+    dump(recipe)
+    save_resolved(recipe, recipe.run_dir)
+    return recipe.run_dir

@@ -3,6 +3,7 @@
     python benchmarks/study_levers.py --data runs/quickstart            # train, eval, report
     python benchmarks/study_levers.py --data runs/quickstart --stage train --only lk init-target
     python benchmarks/study_levers.py --data runs/quickstart --stage report
+    python benchmarks/study_levers.py --smoke       # seconds: base at 2 steps on a tiny quickstart run
 
 `--data` is a finished run (the quickstart's, or any eagle3 run): its `recipe.yaml`, `prepared/`
 and `shards/` are the base. Every variant below is that recipe plus the overrides its name says
@@ -15,7 +16,10 @@ Eval decodes every draft of a group in one process, interleaved prompt by prompt
 (eyas.eval.runner), at T=0 on the run's held-out chat and on two prompts of each of the 13
 categories of `benchmarks/prompts/broad.jsonl` (both turns of the two-turn ones): the eagle3
 variants with `chain:4`, the 3-layer mtp heads beside the eagle3 base with `chain:3`. Results go to
-benchmarks/results/study_levers.{json,md}.
+benchmarks/results/study_levers.{json,md}, with a `BENCH` line per variant, group and suite.
+`--smoke` runs the same stages on a tiny quickstart run it prepares and dumps itself (tests/fixtures.py's
+tiny target): `base` for 2 steps, the eagle3 group, 4 prompts of 8 tokens per suite; everything,
+results included, goes to a temp folder (or --out).
 """
 
 from __future__ import annotations
@@ -23,12 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from machine import machine, versions  # benchmarks/machine.py
+from machine import machine, smoke_dir, smoke_note, tiny_run, versions  # benchmarks/machine.py
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -149,7 +154,7 @@ def held_out(run: Path) -> dict:
     return {"sim_accept": last["sim_accept"], "accuracy": [last[k] for k in sorted(last) if k.startswith("acc_")]}
 
 
-def stage_report(out: Path, names: list[str], steps: int, timings: dict, tag: str = "") -> dict:
+def stage_report(out: Path, names: list[str], steps: int, timings: dict, tag: str = "", results: Path = RESULTS) -> dict:
     rows = []
     for group, (shape, member) in GROUPS.items():
         configs = {s: [c for report in group_reports(out, group, s) for c in report["configs"]] for s in SUITES}
@@ -169,12 +174,19 @@ def stage_report(out: Path, names: list[str], steps: int, timings: dict, tag: st
               "timings_s": timings,
               "machine": machine(), "versions": versions("torch", "transformers"),
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    results.mkdir(parents=True, exist_ok=True)
     stem = "study_levers" + (f"_{tag}" if tag else "")
-    (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    (results / f"{stem}.json").write_text(json.dumps(result, indent=1))
     table = markdown(rows)
-    (RESULTS / f"{stem}.md").write_text(table)
+    (results / f"{stem}.md").write_text(table)
     print(table)
+    for r in rows:
+        name = re.sub(r"[^A-Za-z0-9]+", "_", f"{r['group']}_{r['variant']}")
+        print(f"BENCH levers_{name}_sim_accept {r['sim_accept']:.3f} tokens")
+        for suite in SUITES:
+            if f"tau_{suite}" in r:
+                print(f"BENCH levers_{name}_tau_{suite} {r[f'tau_{suite}']:.3f} tokens/verify")
+    print(f"levers: wrote {results / stem}.json and .md")
     return result
 
 
@@ -191,8 +203,9 @@ def markdown(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", required=True, help="a finished eagle3 run directory (recipe.yaml, prepared/, shards/)")
-    parser.add_argument("--out", default=str(ROOT / "runs" / "levers"), help="parent folder of the variants' runs")
+    parser.add_argument("--data", help="a finished eagle3 run directory (recipe.yaml, prepared/, shards/)")
+    parser.add_argument("--out", help="parent folder of the variants' runs (default runs/levers; --smoke: a temp folder, "
+                        "which also takes the results)")
     parser.add_argument("--stage", choices=["train", "eval", "report", "all"], default="all")
     parser.add_argument("--only", nargs="*", default=[], help="variants to run (default: all)")
     parser.add_argument("--steps", type=int, default=136, help="optimizer steps of every variant")
@@ -200,8 +213,20 @@ def main() -> None:
     parser.add_argument("--tag", default="", help="results go to study_levers_<tag>.{json,md} (another data set)")
     parser.add_argument("--eval-set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="recipe overrides for the evals only (e.g. target.dtype=float32)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds: base for 2 steps on a tiny quickstart run, the eagle3 group, 4 prompts of 8 tokens")
     args = parser.parse_args()
-    data, out = Path(args.data).resolve(), Path(args.out).resolve()
+    results = RESULTS
+    if args.smoke:
+        smoke_note("study_levers")
+        work = Path(args.out) if args.out else smoke_dir("study_levers")
+        args.data = args.data or str(tiny_run(work / "data"))
+        args.out, results = str(work / "levers"), work / "results"
+        args.only, args.steps, args.groups = args.only or ["base"], 2, ["eagle3"]
+        args.eval_set = [*args.eval_set, "eval.max_prompts=4", "eval.max_new_tokens=8"]
+    if not args.data:
+        sys.exit("levers: --data RUN_DIR is required (a finished eagle3 run: recipe.yaml, prepared/, shards/)")
+    data, out = Path(args.data).resolve(), Path(args.out or ROOT / "runs" / "levers").resolve()
     out.mkdir(parents=True, exist_ok=True)
     unknown = sorted(set(args.only) - set(VARIANTS))
     if unknown:
@@ -218,7 +243,7 @@ def main() -> None:
         current = json.loads(timing_file.read_text()) if timing_file.is_file() else {}
         timing_file.write_text(json.dumps({**current, **timings}, indent=1))
     if args.stage in ("report", "all"):
-        stage_report(out, names, args.steps, timings, args.tag)
+        stage_report(out, names, args.steps, timings, args.tag, results)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ SmolLM2-135M-Instruct target, trained and measured on this machine with the eyas
     python benchmarks/study_quality.py                        # every stage; each one is skipped when done
     python benchmarks/study_quality.py --stage train --only eagle3-ttt3 mtp3-chain
     python benchmarks/study_quality.py --stage report         # table + plot from the eval reports
+    python benchmarks/study_quality.py --smoke                # seconds: one data variant, one draft, one suite
 
 Every run starts from `benchmarks/study_base.yaml` plus the overrides below, so each variant
 differs from the base in the settings its name says and nothing else. Data variants are prepared
@@ -11,7 +12,11 @@ and dumped once each; draft variants reuse a data variant's `prepared/` and `sha
 into their own run directory) and are trained with the same token budget, learning rate and
 number of optimizer steps. Eval decodes the same prompts with every draft in one process
 (interleaved with the target alone, see eyas.eval.runner), for each prompt set and temperature.
-Writes benchmarks/results/study_quality.json, study_quality.md and study_quality.png.
+Writes benchmarks/results/study_quality.json, study_quality.md and study_quality.png, and a `BENCH`
+line per suite, draft and shape.
+`--smoke` runs every stage of a smaller plan (the `regen` data, the `eagle3-ttt3` draft, the `chat-t0`
+suite) on tests/fixtures.py's tiny target, with the base recipe cut to seconds; everything, results
+included, goes to a temp folder (or --out).
 """
 
 from __future__ import annotations
@@ -19,12 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from machine import machine, versions  # benchmarks/machine.py
+from machine import SMOKE_RUN, machine, smoke_dir, smoke_note, tiny_target, versions  # benchmarks/machine.py
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ROOT / "benchmarks" / "study_base.yaml"
@@ -246,7 +252,7 @@ def draft_of(label: str) -> str:
     return label.split(":", 1)[0]
 
 
-def stage_report(out: Path, timings: dict) -> dict:
+def stage_report(out: Path, timings: dict, results: Path = RESULTS) -> dict:
     """Collect the eval reports and training summaries into one JSON, a Markdown table and a plot."""
     suites = {}
     for suite in SUITES:
@@ -257,17 +263,22 @@ def stage_report(out: Path, timings: dict) -> dict:
         for report in reports:
             rows += _rows(suite, report)
     training = {name: held_out_curve(out / name) for name in DRAFTS}
-    result = {"rows": rows, "training": training, "timings_s": timings, "base_recipe": str(BASE.relative_to(ROOT)),
+    base = BASE.relative_to(ROOT) if BASE.is_relative_to(ROOT) else BASE
+    result = {"rows": rows, "training": training, "timings_s": timings, "base_recipe": str(base),
               "drafts": {k: {"data": v[0], "overrides": v[1]} for k, v in DRAFTS.items()},
               "data": {k: {"reuses": v[0], "prepare": v[1], "dump": v[2]} for k, v in DATA.items()},
               "machine": machine(), "versions": versions("transformers", "accelerate"),
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "study_quality.json").write_text(json.dumps(result, indent=1))
-    (RESULTS / "study_quality.md").write_text(markdown_table(rows))
-    plot(rows, RESULTS / "study_quality.png")
-    plot_training(training, RESULTS / "study_training.png")
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "study_quality.json").write_text(json.dumps(result, indent=1))
+    (results / "study_quality.md").write_text(markdown_table(rows))
+    plot(rows, results / "study_quality.png")
+    plot_training(training, results / "study_training.png")
     print(markdown_table(rows))
+    for r in rows:
+        name = re.sub(r"[^A-Za-z0-9]+", "_", f"{r['suite']}_{r['draft']}_{r['shape'].split(':')[0]}")
+        print(f"BENCH quality_tau_{name} {r['tau']:.3f} tokens/verify")
+    print(f"study: wrote {results / 'study_quality.json'}, .md and .png")
     return result
 
 
@@ -357,28 +368,51 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def use_smoke_plan(work: Path) -> None:
+    """--smoke: the same stages over a smaller plan (one data variant, one draft, one suite), from the
+    base recipe cut to seconds on the tiny target (the recipe file is written to `work`)."""
+    global BASE, DATA, SUBSETS, PARTS, MERGES, DRAFTS, SUITES
+    from eyas.config import load_recipe, save_resolved
+
+    target = tiny_target(work / "target")
+    smoke = [f"target.path={target}", *SMOKE_RUN, "data.regenerate=true", "data.regenerate_max_new_tokens=8",
+             "data.regenerate_dtype=float32", "train.max_steps=2", "train.eval_every=2", "train.save_every=2"]
+    BASE = save_resolved(load_recipe(BASE, smoke), work, "study_base_smoke.yaml")
+    DATA, SUBSETS, PARTS, MERGES = {"regen": DATA["regen"]}, {}, {}, {}
+    DRAFTS = {"eagle3-ttt3": DRAFTS["eagle3-ttt3"]}
+    SUITES = {"chat-t0": ("heldout", 0.0, ["eagle3-ttt3"])}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=str(ROOT / "runs" / "study"), help="parent folder of the study's runs")
+    parser.add_argument("--out", help="parent folder of the study's runs (default runs/study; --smoke: a temp folder, "
+                        "which also takes the results)")
     parser.add_argument("--stage", choices=["data", "train", "eval", "report", "all"], default="all")
     parser.add_argument("--only", nargs="*", default=[], help="data/draft variants or eval suites to run")
     parser.add_argument("--quickstart", help="run directory of `eyas quickstart` (default runs/quickstart): its "
                         "draft joins the held-out chat T=0 comparison", default=str(ROOT / "runs" / "quickstart"))
+    parser.add_argument("--smoke", action="store_true", help="seconds: one data variant, one draft, one suite, tiny target")
     args = parser.parse_args(argv)
-    out = Path(args.out).resolve()
+    results = RESULTS
+    if args.smoke:
+        smoke_note("study_quality")
+        work = Path(args.out).resolve() if args.out else smoke_dir("study_quality")
+        use_smoke_plan(work)
+        args.out, args.quickstart, results = str(work / "study"), "", work / "results"
+    out = Path(args.out or ROOT / "runs" / "study").resolve()
     out.mkdir(parents=True, exist_ok=True)
     timings_path = out / "timings.json"
     timings = json.loads(timings_path.read_text()) if timings_path.is_file() else {}
     only = set(args.only)
-    quickstart = Path(args.quickstart).resolve()
-    quickstart = quickstart if (quickstart / "checkpoints" / "best").is_dir() else None
+    quickstart = Path(args.quickstart).resolve() if args.quickstart else None
+    quickstart = quickstart if quickstart and (quickstart / "checkpoints" / "best").is_dir() else None
     for stage, body in (("data", stage_data), ("train", stage_train),
                         ("eval", lambda *a: stage_eval(*a, quickstart=quickstart))):
         if args.stage in (stage, "all"):
             body(out, only, timings)
             timings_path.write_text(json.dumps(timings, indent=1))
     if args.stage in ("report", "all"):
-        stage_report(out, timings)
+        stage_report(out, timings, results)
     return 0
 
 

@@ -21,6 +21,7 @@ and the drafts measured per category and per turn at T=0 and T=1 on the broad se
         mtp3-2-epochs=runs/widened-long/mtp3-target quickstart-data=runs/levers/init-target \
         quickstart-data-mtp3=runs/levers/mtp3-target
     python benchmarks/study_widened.py report
+    python benchmarks/study_widened.py --smoke      # every stage above, tiny target (about 3 minutes: vLLM)
 
 `generate` starts `vllm serve` of the target (bf16, 128 sequences at once, the engine in the
 server's process) on the port `benchmarks/widened.yaml` names and runs `eyas prepare` on that
@@ -39,7 +40,12 @@ target's own answer to the first), with `chain:3` and a dynamic tree 3 deep (the
 layers; the eagle3 drafts, trained with TTT 3, accept almost nothing deeper). `--round NAME` keeps a
 later set of drafts in widened-matrix/NAME; `--chat-run` decodes a run's held-out split (a quickstart
 run's held-out chat) under that run's recipe instead. `report` reads every round. Results:
-benchmarks/results/study_widened.{json,md}.
+benchmarks/results/study_widened.{json,md}, and a `BENCH` line per draft, temperature and shape.
+
+`--smoke` runs generate, dump, study_levers' train of `base` (2 steps), matrix and report in turn on
+tests/fixtures.py's tiny target, from widened.yaml cut to seconds (vLLM on a free port; the tiny target
+never ends the prompts it writes, so 24 chitchat openings with regenerated replies are the data);
+everything, results included, goes to a temp folder (or --out).
 """
 
 from __future__ import annotations
@@ -47,15 +53,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
 from urllib.parse import urlparse
 
 import yaml
-from machine import machine, versions  # benchmarks/machine.py
+from machine import machine, smoke_dir, smoke_note, tiny_target, versions  # benchmarks/machine.py
 from study_levers import broad_subset  # benchmarks/study_levers.py: the same subset of the broad set
 from study_levers import eyas as run_stage
+from study_levers import stage_train as train_levers
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "benchmarks" / "widened.yaml"
@@ -65,10 +73,10 @@ SHAPES = ["chain:3", "dynamic:depth=3,topk=4,nodes=12"]
 TEMPERATURES = (0.0, 1.0)
 
 
-def eyas(stage: str, overrides: list[str], log: Path, recipe: Path = RECIPE) -> float:
+def eyas(stage: str, overrides: list[str], log: Path, recipe: Path | None = None) -> float:
     """One `eyas <stage>` on the widened recipe (or another); wall seconds (exits naming the log on failure)."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    return run_stage(stage, recipe, overrides, log)
+    return run_stage(stage, recipe or RECIPE, overrides, log)  # RECIPE looked up now: --smoke replaces it
 
 
 def run_dir() -> Path:
@@ -78,12 +86,16 @@ def run_dir() -> Path:
 
 def stage_generate() -> None:
     from eyas.eval.engine_vllm import VllmServer
-    from eyas.targets import SMOLLM2_ALIAS, resolve_target_path
+    from eyas.targets import load_target_config, resolve_target_path
 
-    port = urlparse(yaml.safe_load(RECIPE.read_text())["data"]["regenerate_endpoint"]).port
+    recipe = yaml.safe_load(RECIPE.read_text())
+    port = urlparse(recipe["data"]["regenerate_endpoint"]).port
+    target = recipe["target"]["path"]  # SmolLM2
+    context = min(1024, int(load_target_config(target).max_position_embeddings))
     out = run_dir()
-    server = VllmServer(resolve_target_path(SMOLLM2_ALIAS), log=out.parent / "widened.server.log", port=port,
-                        dtype="bfloat16", max_model_len=1024, kv_cache_gib=4, in_process_engine=True,
+    out.parent.mkdir(parents=True, exist_ok=True)
+    server = VllmServer(resolve_target_path(target), log=out.parent / "widened.server.log", port=port,
+                        dtype="bfloat16", max_model_len=context, kv_cache_gib=4, in_process_engine=True,
                         extra_args=["--max-num-seqs", "128"])
     with server:
         prepare_s = eyas("prepare", [], out.parent / "widened.prepare.log")
@@ -181,7 +193,7 @@ def round_rows(folder: Path) -> tuple[dict, list[dict]]:
     return drafts, rows
 
 
-def stage_report() -> dict:
+def stage_report(results: Path = RESULTS) -> dict:
     drafts: dict[str, str] = {}
     rows: list[dict] = []
     for folder in matrix_rounds():
@@ -193,11 +205,15 @@ def stage_report() -> dict:
         rows += found_rows
     result = {"rows": rows, "drafts": drafts, "shapes": list(dict.fromkeys(r["shape"] for r in rows)), "machine": machine(),
               "versions": versions("torch", "transformers"), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "study_widened.json").write_text(json.dumps(result, indent=1) + "\n")
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "study_widened.json").write_text(json.dumps(result, indent=1) + "\n")
     table = markdown(rows)
-    (RESULTS / "study_widened.md").write_text(table)
+    (results / "study_widened.md").write_text(table)
     print(table)
+    for r in rows:
+        name = re.sub(r"[^A-Za-z0-9]+", "_", f"{r['suite']}_{r['draft']}_T{r['temperature']:g}_{r['shape'].split(':')[0]}")
+        print(f"BENCH widened_tau_{name} {r['tau']:.3f} tokens/verify")
+    print(f"widened: wrote {results / 'study_widened.json'} and .md")
     return result
 
 
@@ -221,9 +237,41 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def use_smoke_recipe(work: Path) -> None:
+    """--smoke: widened.yaml cut to seconds on the tiny target, written to `work`, and the study's
+    results folder in `work` too (nothing goes to runs/ or benchmarks/results/)."""
+    global RECIPE, RESULTS
+    from eyas.config import load_recipe, save_resolved
+    from eyas.eval.engine_vllm import free_port
+
+    target = tiny_target(work / "target")
+    # A random tiny target never ends a turn it writes: its target-written prompts are asked for (the same
+    # requests, cache and drops) but all dropped, so chitchat openings, their replies regenerated through
+    # the same server (greedy, cut at 96 tokens), are the data the later stages train and decode on.
+    smoke = [f"target.path={target}", f"run.output_dir={work / 'runs'}", "data.source=chitchat", "data.max_samples=24",
+             "data.max_turns=1", "data.max_length=512", "data.heldout_fraction=0.25",
+             f"data.regenerate_endpoint=http://127.0.0.1:{free_port()}", "data.regenerate_max_new_tokens=96",
+             "data.regenerate_batch_size=16", "data.self_prompts=4", "dump.draft_vocab_size=128", "dump.token_budget=512",
+             "dump.shard_tokens=4096", "train.token_budget=512", "train.warmup_steps=1", "train.eval_batches=1"]
+    RECIPE = save_resolved(load_recipe(RECIPE, smoke), work, "widened_smoke.yaml")
+    RESULTS = work / "results"
+
+
+def smoke(work: Path) -> None:
+    """Every stage in the order the module docstring runs them, the draft trained by study_levers."""
+    use_smoke_recipe(work)
+    stage_generate()
+    eyas("dump", [], run_dir().parent / "widened.dump.log")
+    levers = work / "runs" / "widened-levers"
+    levers.mkdir(parents=True, exist_ok=True)
+    train_levers(run_dir(), levers, ["base"], 2, {})
+    stage_matrix({"eagle3": str(levers / "base")}, [], 1, 8, "", list(TEMPERATURES))
+    stage_report(RESULTS)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("stage", choices=["generate", "describe", "dump", "matrix", "report"])
+    parser.add_argument("stage", nargs="?", choices=["generate", "describe", "dump", "matrix", "report"])
     parser.add_argument("--drafts", nargs="*", default=[], metavar="NAME=RUN_DIR",
                         help="matrix: the drafts to measure, each a finished run directory")
     parser.add_argument("--sampled", nargs="*", default=[], metavar="NAME",
@@ -239,9 +287,16 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=SHAPES, metavar="SHAPE",
                         help="matrix: the tree shapes, as eval.shapes spells them (default: chain:3 and a dynamic tree 3 deep;"
                              " a 2-layer mtp draft cannot go 3 deep)")
+    parser.add_argument("--smoke", action="store_true", help="every stage on a tiny target, in a temp folder (or --out)")
+    parser.add_argument("--out", help="--smoke: the folder for its runs and results (default: a temp folder)")
     args = parser.parse_args()
     os.chdir(ROOT)
-    if args.stage == "generate":
+    if args.smoke:
+        smoke_note("study_widened")
+        smoke(Path(args.out).resolve() if args.out else smoke_dir("study_widened"))
+    elif args.stage is None:
+        parser.error("give a stage (generate, describe, dump, matrix, report) or --smoke")
+    elif args.stage == "generate":
         stage_generate()
     elif args.stage == "describe":
         stage_describe()
@@ -258,7 +313,7 @@ def main() -> None:
                      args.shapes)
         stage_report()
     else:
-        stage_report()
+        stage_report(RESULTS)
 
 
 if __name__ == "__main__":

@@ -12,11 +12,20 @@ shards of about `dump.shard_tokens` tokens, each shard cut into `dump.token_budg
 So a shard's contents depend only on the data and the settings, never on which process wrote
 it or when: shard i of a 4-process dump, of a resumed dump and of a one-process dump are the
 same bytes (on the same hardware). Ranks (RANK/WORLD_SIZE from torchrun, accelerate or a SLURM
-array) take shards i % WORLD_SIZE == RANK. A shard is written atomically with a sidecar
-recording its sha256; a rerun checks every finished shard and redoes only missing or bad ones
-(a shard whose header carries another plan fingerprint, copied in from another dump with its
-sidecar, is redone too). A single-process rerun also removes the temporary files (`.NAME.tmp.PID`)
-that a killed writer left behind.
+array) take shards i % WORLD_SIZE == RANK.
+
+Host memory does not grow with `dump.shard_tokens`: each batch's rows go straight to their place
+in the shard file (`ShardWriter`: the plan fixes every sample's length, so the file's layout is
+known before the first batch), so a process holds about two batches of encoded features, not
+a shard (at the 8B recipe's settings an estimated 2.6 GB per rank, against ~70 GB for the
+whole-shard writer it replaced; docs/results.md, "Dump memory").
+A shard is written atomically with a sidecar recording its sha256, hashed once as it is
+finished. A rerun trusts a finished shard whose sidecar, size and header fit (no re-hashing:
+the reader checks every sample's CRC-32 as training reads it), redoes missing, truncated or
+foreign ones (a shard whose header carries another plan fingerprint, copied in from another
+dump with its sidecar), and with `--reverify` (`dump(..., reverify=True)`) hashes every
+finished shard again and redoes the corrupt ones. A single-process rerun also removes the
+temporary files (`.NAME.tmp.PID`) that a killed writer left behind.
 Rank 0 writes index, vocabulary and manifest once every shard exists: co-launched ranks
 (torchrun / accelerate) wait for each other; independent ones (a SLURM array) leave that to a
 final single-process `eyas dump` that finds everything done.
@@ -30,7 +39,8 @@ import hashlib
 import json
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +52,7 @@ from eyas.data.prepare import load_prepared, prepared_info, tokenizer_identity
 from eyas.data.shards import (
     MANIFEST,
     SCHEMA_VERSION,
+    ShardWriter,
     budget_batches,
     build_index,
     check_shard,
@@ -50,9 +61,9 @@ from eyas.data.shards import (
     read_sidecar,
     shard_name,
     wait_for,
-    write_shard,
 )
 from eyas.data.vocab import count_tokens, write_vocab
+from eyas.draft.features import FUSED_LAYERS, LAST_HIDDEN
 from eyas.draft.registry import head_class
 from eyas.errors import EyasError
 from eyas.io import atomic_write_json, remove_stale_temps
@@ -83,12 +94,12 @@ def feature_spec(recipe: Any, target_config: Any) -> dict:
 
 
 def manifest_features(spec: dict, hidden: int) -> dict:
+    """The manifest's `features`: each stored feature's entry as its `FeatureSpec` writes it, and the top-k teacher."""
     features = {}
     if spec["aux_layers"]:
-        features["aux_hidden"] = {"layers": spec["aux_layers"], "encodings": spec["aux_encodings"],
-                                  "shape": [len(spec["aux_layers"]) * hidden]}
+        features[FUSED_LAYERS.name] = FUSED_LAYERS.manifest_entry(hidden, spec["aux_encodings"], spec["aux_layers"])
     if spec["last_hidden"]:
-        features["last_hidden"] = {"encoding": spec["last_encoding"], "shape": [hidden]}
+        features[LAST_HIDDEN.name] = LAST_HIDDEN.manifest_entry(hidden, [spec["last_encoding"]])
     if spec["topk"]:
         features["topk_values"] = {"encoding": "fp16", "shape": [spec["topk"]], "meaning": "teacher log-probabilities"}
         features["topk_ids"] = {"encoding": "ids", "shape": [spec["topk"]]}
@@ -236,31 +247,44 @@ def _encode_batch(spec: dict, aux: list[torch.Tensor], last: torch.Tensor, real:
     return out
 
 
-def dump_shard(capture: HiddenCapture, dataset, indices: np.ndarray, spec: dict, token_budget: int,
-               vocab_size: int, device: Any, progress=None) -> dict[str, torch.Tensor]:
-    """Features of one shard's samples (in plan order), packed back to back."""
-    rows = dataset[[int(i) for i in indices]]
-    lengths = np.array([len(x) for x in rows["input_ids"]], dtype=np.int64)
-    parts: dict[str, list[torch.Tensor]] = {}
+def shard_batches(capture: HiddenCapture, dataset, indices: np.ndarray, lengths: np.ndarray, spec: dict,
+                  token_budget: int, vocab_size: int, device: Any, progress=None
+                  ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    """One shard's batches in plan order: (number of samples, their rows of every per-token tensor
+    on the CPU: features, input_ids, loss_mask). Only the batch's rows are read from the dataset."""
+    id_type = ids_dtype(vocab_size)
     for batch in budget_batches(np.arange(len(indices)), lengths, token_budget):
-        ids = pad_right([rows["input_ids"][i] for i in batch]).to(device)
+        rows = dataset[[int(indices[i]) for i in batch]]
+        ids = pad_right(rows["input_ids"]).to(device)
         real = (torch.arange(ids.shape[1])[None, :] < torch.as_tensor(lengths[batch])[:, None]).to(device)
         with torch.inference_mode():
             aux, last = capture(ids)
             encoded = _encode_batch(spec, aux, last, real, capture.model)
-        for key, t in encoded.items():
-            parts.setdefault(key, []).append(t)
+        if "topk_ids" in encoded:
+            encoded["topk_ids"] = encoded["topk_ids"].to(torch.int32).to(id_type)
+        encoded["input_ids"] = torch.as_tensor(np.concatenate(rows["input_ids"]), dtype=torch.int32).to(id_type)
+        encoded["loss_mask"] = torch.as_tensor(np.concatenate(rows["loss_mask"]), dtype=torch.uint8)
         if progress is not None:
             progress.update(int(lengths[batch].sum()))
-    id_type = ids_dtype(vocab_size)
-    tensors = {key: torch.cat(ts) for key, ts in parts.items()}
-    if "topk_ids" in tensors:
-        tensors["topk_ids"] = tensors["topk_ids"].to(torch.int32).to(id_type)
-    tensors["input_ids"] = torch.as_tensor(np.concatenate(rows["input_ids"]), dtype=torch.int32).to(id_type)
-    tensors["loss_mask"] = torch.as_tensor(np.concatenate(rows["loss_mask"]), dtype=torch.uint8)
-    tensors["offsets"] = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)])).long()
-    tensors["sample_index"] = torch.from_numpy(indices.astype(np.int64))
-    return tensors
+        yield len(batch), encoded
+
+
+def stream_rows(batches: Iterable[tuple[int, dict[str, torch.Tensor]]], writer: ShardWriter,
+                thread: ThreadPoolExecutor) -> None:
+    """Hand each batch to `writer` on `thread`, one write in flight: the disk write and the CRCs of
+    a batch overlap the next batch's forward, and the host holds two batches at most."""
+    writing: Future | None = None
+    try:
+        for samples, rows in batches:
+            if writing is not None:
+                writing.result()
+            writing = thread.submit(writer.write, rows, samples)
+        if writing is not None:
+            writing.result()
+    except BaseException:
+        if writing is not None:
+            wait([writing])  # the caller's abort must not close the file under a running write
+        raise
 
 
 # ----------------------------------------------------------------------------- one split
@@ -276,9 +300,20 @@ def distributed_env() -> tuple[int, int, bool]:
     return rank, world, co_launched
 
 
+def _manifest_records(out_dir: Path) -> dict[str, dict]:
+    """The shard records of the split's existing manifest, by file ({} when there is none)."""
+    try:
+        return {r["file"]: r for r in json.loads((out_dir / MANIFEST).read_text())["shards"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
 def dump_split(dataset, out_dir: Path, plan: dict, capture: HiddenCapture, spec: dict, dump_cfg: Any,
-               vocab_size: int, device: Any, rank: int, world: int, label: str) -> list[int]:
-    """Write this rank's missing or bad shards of one split; returns all shard indices of the split."""
+               vocab_size: int, device: Any, rank: int, world: int, label: str, reverify: bool = False) -> list[int]:
+    """Write this rank's missing or bad shards of one split; returns all shard indices of the split.
+
+    Finished shards are trusted without re-hashing (sidecar, size and header checked) unless
+    `reverify`."""
     from tqdm import tqdm
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -286,9 +321,10 @@ def dump_split(dataset, out_dir: Path, plan: dict, capture: HiddenCapture, spec:
     lengths = sample_lengths(dataset)
     shards = plan_shards(lengths, dump_cfg.shard_tokens)
     mine = [i for i in range(len(shards)) if i % world == rank]
+    recorded = _manifest_records(out_dir)
     todo = []
     for i in mine:
-        problem = check_shard(out_dir, i, full=True, expect_plan=plan["fingerprint"])
+        problem = check_shard(out_dir, i, full=reverify, expect_plan=plan["fingerprint"], recorded=recorded.get(shard_name(i)))
         if problem:
             if problem != "missing":
                 print(f"eyas dump: redoing {out_dir / shard_name(i)}: {problem}", flush=True)
@@ -305,17 +341,23 @@ def dump_split(dataset, out_dir: Path, plan: dict, capture: HiddenCapture, spec:
     progress = tqdm(total=pending_tokens, unit="tok", unit_scale=True, desc=f"dump {label}",
                     disable=rank != 0 or not pending_tokens, dynamic_ncols=True)
     metadata = {"schema_version": SCHEMA_VERSION, "plan": plan["fingerprint"]}
-    # Serialising, hashing and writing a shard overlap the next shard's forward (one writer
-    # thread; at most one finished shard waits in memory, so memory stays bounded).
-    with ThreadPoolExecutor(max_workers=1) as writer:
-        pending = None
+    # Batch rows go to the shard file on one thread while the next batch runs; a finished shard is
+    # fsynced, hashed and renamed on another while the next shard runs. Neither holds a shard.
+    with ThreadPoolExecutor(max_workers=1) as rows_thread, ThreadPoolExecutor(max_workers=1) as finish_thread:
+        finishing: Future | None = None
         for i in todo:
-            tensors = dump_shard(capture, dataset, shards[i], spec, dump_cfg.token_budget, vocab_size, device, progress)
-            if pending is not None:
-                pending.result()
-            pending = writer.submit(write_shard, out_dir, i, tensors, dict(metadata, shard=i))
-        if pending is not None:
-            pending.result()
+            writer = ShardWriter(out_dir, i, lengths[shards[i]], shards[i], dict(metadata, shard=i))
+            try:
+                stream_rows(shard_batches(capture, dataset, shards[i], lengths[shards[i]], spec, dump_cfg.token_budget,
+                                          vocab_size, device, progress), writer, rows_thread)
+                if finishing is not None:
+                    finishing.result()  # a failed finish stops the dump here, one shard later
+            except BaseException:
+                writer.abort()
+                raise
+            finishing = finish_thread.submit(writer.finish)
+        if finishing is not None:
+            finishing.result()
     progress.close()
     return list(range(len(shards)))
 
@@ -355,8 +397,10 @@ def finalize_split(out_dir: Path, num_shards: int, header: dict, wait: bool, pla
 # ----------------------------------------------------------------------------- the stage
 
 
-def dump(recipe: Recipe, model: Any = None, tokenizer: Any = None) -> dict | None:
-    """Run the stage; returns the train manifest (None on ranks/tasks that don't write it)."""
+def dump(recipe: Recipe, model: Any = None, tokenizer: Any = None, reverify: bool = False) -> dict | None:
+    """Run the stage; returns the train manifest (None on ranks/tasks that don't write it).
+
+    `reverify`: hash every finished shard again (a rerun otherwise trusts them) and redo corrupt ones."""
     rank, world, co_launched = distributed_env()
     run_dir = recipe.run_dir
     splits = {"train": load_prepared(run_dir, "train"), "heldout": load_prepared(run_dir, "heldout")}
@@ -400,7 +444,7 @@ def dump(recipe: Recipe, model: Any = None, tokenizer: Any = None) -> dict | Non
             plan["fingerprint"] = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:20]
             plans[split] = plan["fingerprint"]
             counts[split] = dump_split(dataset, outputs[split], plan, capture, spec, recipe.dump, vocab_size,
-                                       device, rank, world, split)
+                                       device, rank, world, split, reverify=reverify)
     finally:
         capture.close()
     if rank != 0:
@@ -429,12 +473,20 @@ def _report(manifest: dict | None, root: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     # command line only: the stage's library functions do not need the CLI helpers
     from eyas import stages
-    from eyas.cli import stage_main  # likewise
+    from eyas.cli import STAGES, stage_main, stage_parser  # likewise
+
+    # A flag, not a recipe key: the stage record would count a toggled key as a change of the
+    # dump's settings and make the training behind it stale.
+    parser = stage_parser("eyas dump", STAGES["dump"][1])
+    parser.add_argument("--reverify", action="store_true",
+                        help="hash every finished shard again and redo corrupt ones (a rerun otherwise trusts shards "
+                             "whose sidecar, size and header fit); runs the stage even if it is current")
 
     def body(recipe: Any, args: Any) -> None:
-        stages.run("dump", recipe, lambda: _report(dump(recipe), recipe.run_dir / "shards"), force=args.force)
+        stages.run("dump", recipe, lambda: _report(dump(recipe, reverify=args.reverify), recipe.run_dir / "shards"),
+                   force=args.force or args.reverify)
 
-    return stage_main("dump", argv, body)
+    return stage_main("dump", argv, body, parser=parser)
 
 
 if __name__ == "__main__":

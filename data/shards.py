@@ -1,4 +1,7 @@
-"""Hidden-state shards on disk: encodings, the atomic writer, the lazy reader and the loader.
+"""Hidden-state shards on disk: encodings, the atomic writer and the lazy reader.
+
+The training loader (token-budget batches, read-ahead workers, decoding on the device) is
+`eyas.train.loader`; it reads samples as stored through `ShardReader.codes`.
 
 Layout of a shard directory (written by `eyas dump`):
 
@@ -17,6 +20,8 @@ Layout of a shard directory (written by `eyas dump`):
 
 Each shard's safetensors metadata holds the fingerprint of the dump plan it was written for
 (target identity, data, settings; also in the manifest as `plan`) and its own shard number.
+`eyas dump` writes a shard as its batches arrive (`ShardWriter`: header first, rows at their
+offsets), so its host memory does not grow with the shard; the bytes equal `write_shard`'s.
 
 What a reader verifies, and when (`ShardReader`, on by default; `eyas verify` checks everything):
 - at open, for every shard: that it exists with its recorded size, and its header (one small
@@ -44,12 +49,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import sys
 import time
 import zlib
 from collections import Counter, OrderedDict
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +64,7 @@ import torch
 from eyas.cli import guarded, stage_parser
 from eyas.config import load_recipe
 from eyas.errors import EyasError
-from eyas.io import atomic_write_bytes, atomic_write_json, sha256_file
+from eyas.io import _fsync_dir, _write_error, atomic_write_bytes, atomic_write_json, json_problem, sha256_file, temp_name
 from eyas.targets import load_target_config, load_tokenizer, target_identity
 
 SCHEMA_VERSION = 1
@@ -181,6 +186,163 @@ def write_shard(directory: Path, index: int, tensors: dict[str, torch.Tensor], m
     return record
 
 
+def safetensors_layout(tensors: dict[str, tuple[torch.dtype, list[int]]], metadata: dict
+                       ) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """The first bytes `write_shard` writes for tensors of these dtypes and shapes (length prefix and
+    header), and each tensor's byte range in the file: the layout without the tensors.
+
+    safetensors orders the data by dtype, then name; that order is read off safetensors itself
+    (one-element stand-ins saved with the same names, dtypes and metadata), so a streamed shard
+    is byte-identical to `write_shard`'s. The header is compact JSON padded with spaces to 8 bytes."""
+    from safetensors.torch import save
+
+    probe = save({name: torch.zeros(1, dtype=dtype) for name, (dtype, _) in tensors.items()},
+                 metadata={"eyas": json.dumps(metadata, sort_keys=True)})
+    table = json.loads(probe[8:8 + int.from_bytes(probe[:8], "little")])
+    relative, cursor = {}, 0
+    for name in sorted(tensors, key=lambda name: table[name]["data_offsets"][0]):
+        dtype, shape = tensors[name]
+        size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        relative[name] = (cursor, cursor + size)
+        table[name].update(shape=list(shape), data_offsets=[cursor, cursor + size])  # keeps safetensors' key order
+        cursor += size
+    text = json.dumps(table, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    header = len(text).to_bytes(8, "little") + text
+    return header, {name: (len(header) + a, len(header) + b) for name, (a, b) in relative.items()}
+
+
+def _sha256_reading_into(path: Path, block: int = 1 << 22) -> str:
+    """A file's SHA-256 read into one reused 4 MB buffer: the host memory it takes stays the same for
+    any file size (reading fresh 16 MB blocks holds two at a time, 32 MB)."""
+    digest, buffer = hashlib.sha256(), bytearray(block)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while count := f.readinto(buffer):
+            digest.update(view[:count])
+    return digest.hexdigest()
+
+
+class ShardWriter:
+    """Shard `index` written as its batches arrive, so the host holds a batch, never the shard.
+
+    The plan gives every sample's length before the first batch, so once that batch shows the
+    tensors' dtypes and row shapes the file's whole layout is known: the header goes first, then
+    each batch's rows straight to their offsets in a temporary file (`.NAME.tmp.PID`, sized up
+    front), their per-sample CRC-32 taken on the way. `finish` writes the checksums, fsyncs, hashes
+    the file once (sha256 in one sequential read: what the sidecar records, and what a rerun of the
+    dump trusts from then on), renames it into place and writes the sidecar. The file is
+    byte-identical to `write_shard`'s for the same tensors. `write` and `finish` may run on other
+    threads than the constructor, one call at a time.
+    """
+
+    def __init__(self, directory: Path, index: int, lengths: np.ndarray, sample_index: np.ndarray, metadata: dict):
+        self.path = Path(directory) / shard_name(index)
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
+        self.sample_index = np.asarray(sample_index, dtype=np.int64)
+        self.metadata = metadata
+        self.crcs = np.zeros(len(self.lengths), dtype=np.int64)
+        self.samples = 0  # samples written so far (they arrive in plan order)
+        self.loss_tokens = 0
+        self.ranges: dict[str, tuple[int, int]] = {}  # tensor -> byte range in the file, once laid out
+        self.rows: dict[str, tuple[torch.dtype, list[int], int]] = {}  # per-token tensor -> dtype, row shape, row bytes
+        self.size = 0
+        self._fd: int | None = None
+        self._tmp: Path | None = None
+
+    def write(self, rows: dict[str, torch.Tensor], samples: int) -> None:
+        """The next `samples` samples' rows of every per-token tensor (input_ids, loss_mask, features)."""
+        start, end = self.samples, self.samples + samples
+        first, last = int(self.offsets[start]), int(self.offsets[end])
+        try:
+            if self._fd is None:
+                self._open({name: (t.dtype, list(t.shape[1:])) for name, t in rows.items()})
+            self._check(rows, last - first)
+            data = {name: _rows_bytes(t) for name, t in rows.items()}
+            local = self.offsets[start:end + 1] - first
+            names = sorted(data)  # the checksum's order: `sample_checksums`
+            for s in range(samples):
+                crc = 0
+                for name in names:
+                    crc = zlib.crc32(data[name][local[s]:local[s + 1]], crc)
+                self.crcs[start + s] = crc
+            for name, block in data.items():
+                self._pwrite(block, self.ranges[name][0] + first * self.rows[name][2])
+        except OSError as exc:
+            self.abort()
+            raise _write_error(self.path, exc) from None
+        self.loss_tokens += int(rows["loss_mask"].sum())
+        self.samples = end
+
+    def finish(self) -> dict:
+        """Checksums, fsync, sha256, rename into place, sidecar; returns the sidecar's record."""
+        if self._fd is None or self.samples != len(self.lengths):
+            self.abort()
+            raise EyasError(f"internal error: shard '{self.path}' was given {self.samples} of its "
+                            f"{len(self.lengths)} samples; rerun `eyas dump RECIPE`")
+        try:
+            self._pwrite(self.crcs, self.ranges[CHECKSUM][0])
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = None
+            digest = _sha256_reading_into(self._tmp)
+            os.replace(self._tmp, self.path)
+            self._tmp = None
+        except OSError as exc:
+            self.abort()
+            raise _write_error(self.path, exc) from None
+        except BaseException:
+            self.abort()
+            raise
+        _fsync_dir(self.path.parent)
+        record = {"file": self.path.name, "bytes": self.size, "sha256": digest, "num_samples": len(self.lengths),
+                  "num_tokens": int(self.offsets[-1]), "num_loss_tokens": self.loss_tokens}
+        atomic_write_json(self.path.with_suffix(".json"), record)
+        return record
+
+    def abort(self) -> None:
+        """Drop the unfinished file (an error or interrupt in this process; a killed one's is removed
+        by the next single-process dump, `remove_stale_temps`)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self._tmp is not None:
+            self._tmp.unlink(missing_ok=True)
+            self._tmp = None
+
+    def _open(self, per_token: dict[str, tuple[torch.dtype, list[int]]]) -> None:
+        n, tokens = len(self.lengths), int(self.offsets[-1])
+        tensors = {name: (dtype, [tokens] + shape) for name, (dtype, shape) in per_token.items()}
+        tensors.update({"offsets": (torch.int64, [n + 1]), "sample_index": (torch.int64, [n]), CHECKSUM: (torch.int64, [n])})
+        header, self.ranges = safetensors_layout(tensors, self.metadata)
+        self.rows = {name: (dtype, shape, math.prod(shape) * torch.empty(0, dtype=dtype).element_size())
+                     for name, (dtype, shape) in per_token.items()}
+        self.size = max([len(header)] + [end for _, end in self.ranges.values()])
+        self._tmp = temp_name(self.path)
+        self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        os.ftruncate(self._fd, self.size)  # the final size now: rows land at their offsets in any order
+        self._pwrite(header, 0)
+        self._pwrite(self.offsets, self.ranges["offsets"][0])
+        self._pwrite(self.sample_index, self.ranges["sample_index"][0])
+
+    def _check(self, rows: dict[str, torch.Tensor], tokens: int) -> None:
+        """Every batch carries the tensors the first one laid out, with the planned number of rows."""
+        for name, t in rows.items():
+            if name not in self.rows or (t.dtype, list(t.shape[1:])) != self.rows[name][:2] or t.shape[0] != tokens:
+                raise EyasError(f"internal error: a batch for '{self.path}' holds '{name}' {t.dtype} {list(t.shape)}, "
+                                f"the shard was laid out for {self.rows.get(name, ('nothing',))[:2]} x {tokens} rows")
+        if set(rows) != set(self.rows):
+            raise EyasError(f"internal error: a batch for '{self.path}' lacks {sorted(set(self.rows) - set(rows))}")
+
+    def _pwrite(self, buffer: Any, position: int) -> None:
+        view = memoryview(np.ascontiguousarray(buffer).reshape(-1).view(np.uint8)) if isinstance(buffer, np.ndarray) \
+            else memoryview(buffer)
+        while len(view):  # a single write moves at most ~2 GB on Linux
+            done = os.pwrite(self._fd, view, position)
+            view, position = view[done:], position + done
+
+
 def read_header(path: Path) -> dict:
     """The safetensors header of a file (tensor table and `__metadata__`): one small read.
 
@@ -196,8 +358,8 @@ def read_header(path: Path) -> dict:
         raw = f.read(n)
     try:
         header = json.loads(raw)
-    except ValueError as exc:
-        raise ValueError(f"header is not valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"header is not valid JSON ({json_problem(exc)})") from None
     if not isinstance(header, dict):
         raise ValueError("header is not a JSON object")
     return header
@@ -205,12 +367,13 @@ def read_header(path: Path) -> dict:
 
 def shard_metadata(header: dict) -> dict:
     """The eyas metadata a shard header carries ({} when there is none)."""
-    raw = (header.get("__metadata__") or {}).get("eyas")
+    metadata = header.get("__metadata__") or {}
+    raw = metadata.get("eyas") if isinstance(metadata, dict) else None
     if raw is None:
         return {}
     try:
         meta = json.loads(raw)
-    except ValueError:
+    except (ValueError, TypeError, RecursionError):
         raise ValueError("its eyas metadata is not valid JSON") from None
     return meta if isinstance(meta, dict) else {}
 
@@ -299,27 +462,37 @@ def read_sidecar(directory: Path, index: int) -> dict | None:
     path = directory / shard_name(index).replace(".safetensors", ".json")
     try:
         return json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
 
 
-def check_shard(directory: Path, index: int, full: bool = True, expect_plan: str | None = None) -> str:
+def check_shard(directory: Path, index: int, full: bool = True, expect_plan: str | None = None,
+                recorded: dict | None = None) -> str:
     """'' if shard `index` is complete and intact, else why not (missing, truncated, checksum, foreign).
 
-    `expect_plan`: the plan fingerprint of the dump being made; a shard written for another plan
-    (copied in from another dump, sidecar and all) is not this dump's."""
+    `full=False` checks the sidecar, the size and (with `expect_plan`) the header, and trusts the
+    bytes: the writer hashed them once, and the reader checks each sample's CRC-32 as it reads.
+    `recorded`: the shard's record in an existing manifest; a sidecar that disagrees with it
+    (the shard was rewritten since) is checked in full. `expect_plan`: the plan fingerprint of
+    the dump being made; a shard written for another plan (copied in from another dump, sidecar
+    and all) is not this dump's."""
     record = read_sidecar(directory, index)
     path = directory / shard_name(index)
     if record is None:
         return "missing" if not path.exists() else "no sidecar (interrupted write)"
     if not path.is_file():
         return "missing"
+    # what finalize_split indexes and sums: a sidecar lacking it is redone, like one that is unreadable
+    if record_problem(record, ("num_samples", "num_tokens", "num_loss_tokens")) or record["file"] != path.name:
+        return "a damaged sidecar"
     size = path.stat().st_size
     if size != record["bytes"]:
         return f"truncated or resized ({size} bytes, expected {record['bytes']})"
+    if recorded is not None and (recorded.get("sha256"), recorded.get("bytes")) != (record["sha256"], record["bytes"]):
+        full = True
     if expect_plan is not None:
         try:
-            problem = header_problem(read_header(path), index, expect_plan)
+            problem = header_problem(read_header(path), index, expect_plan, record)
         except (OSError, ValueError) as exc:
             problem = f"a damaged file ({exc})"
         if problem:
@@ -384,14 +557,142 @@ def read_manifest(shard_dir: Path) -> dict:
         raise EyasError(f"no shards at '{shard_dir}' ({MANIFEST} is missing); run `eyas dump RECIPE` first")
     try:
         manifest = json.loads(path.read_text())
-    except ValueError as exc:
-        raise EyasError(f"'{path}' is not valid JSON ({exc}); rerun `eyas dump RECIPE` to rewrite it") from None
+    except (ValueError, RecursionError) as exc:
+        raise EyasError(f"'{path}' is not valid JSON ({json_problem(exc)}); rerun `eyas dump RECIPE` to rewrite it") from None
+    if not isinstance(manifest, dict):
+        raise EyasError(f"'{path}' holds a JSON {type(manifest).__name__}, not a manifest; rerun `eyas dump RECIPE` to rewrite it")
     if manifest.get("schema_version") != SCHEMA_VERSION:
         raise EyasError(
-            f"'{path}' has shard schema version {manifest.get('schema_version')}, this eyas reads version "
+            f"'{path}' has shard schema version {manifest.get('schema_version')!r}, this eyas reads version "
             f"{SCHEMA_VERSION}; dump again with this version (`eyas dump RECIPE`)"
         )
+    problem = manifest_problem(manifest)
+    if problem:
+        raise EyasError(f"'{path}' is damaged ({problem}); rerun `eyas dump RECIPE` to rewrite it")
     return manifest
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def record_problem(record: Any, counts: tuple[str, ...] = ()) -> str:
+    """'' if a file record (a manifest's shard or index entry, a sidecar) has what readers use, else what is wrong:
+    a plain file name inside the dump's folder, its size, its sha256 and the given counts."""
+    if not isinstance(record, dict):
+        return f"a file record is a JSON {type(record).__name__}"
+    name = record.get("file")
+    if not isinstance(name, str) or not name or name in (".", "..") or any(c in name for c in "/\\\x00"):
+        return f"file {name!r} is not a file name in the dump's folder"
+    for key in ("bytes", *counts):
+        if not _count(record.get(key)):
+            return f"'{key}' of {name!r} is {record.get(key)!r}, not a count"
+    if not isinstance(record.get("sha256"), str):
+        return f"'sha256' of {name!r} is {record.get('sha256')!r}, not a digest"
+    return ""
+
+
+def manifest_problem(manifest: dict) -> str:
+    """'' if a manifest has the shape the reader and the trainer rely on, else what is wrong with it."""
+    if not isinstance(manifest.get("target_identity"), str):
+        return f"'target_identity' is {manifest.get('target_identity')!r}"
+    if not _count(manifest.get("hidden_size")):
+        return f"'hidden_size' is {manifest.get('hidden_size')!r}"
+    if not isinstance(manifest.get("layers", []), list) or not all(_count(i) for i in manifest.get("layers", [])):
+        return f"'layers' is {manifest.get('layers')!r}, not a list of layer indices"
+    if not isinstance(manifest.get("plan", ""), str):
+        return f"'plan' is {manifest.get('plan')!r}"
+    shards = manifest.get("shards")
+    if not isinstance(shards, list):
+        return f"'shards' is {type(shards).__name__}, not a list"
+    for record in shards:
+        problem = record_problem(record, ("num_samples", "num_tokens"))
+        if problem:
+            return problem
+    problem = record_problem(manifest.get("index"))
+    return f"index: {problem}" if problem else features_problem(manifest.get("features"))
+
+
+def features_problem(features: Any) -> str:
+    """'' if a manifest's `features` names known encodings with consistent shapes, else what is wrong."""
+    if not isinstance(features, dict):
+        return f"'features' is {type(features).__name__}, not a mapping"
+    for name, entry in features.items():
+        if not isinstance(entry, dict) or not (isinstance(entry.get("shape"), list) and len(entry["shape"]) == 1
+                                               and _count(entry["shape"][0])):
+            return f"feature {name!r} has no shape [width]"
+    aux, last = features.get("aux_hidden"), features.get("last_hidden")
+    if aux is not None:
+        encodings, layers = aux.get("encodings"), aux.get("layers")
+        if not (isinstance(encodings, list) and isinstance(layers, list) and encodings and len(encodings) == len(layers)
+                and all(e in ENCODINGS for e in encodings) and all(_count(i) for i in layers)):
+            return f"aux_hidden's encodings {encodings!r} and layers {layers!r} do not match"
+    if last is not None and last.get("encoding") not in ENCODINGS:
+        return f"last_hidden's encoding is {last.get('encoding')!r}"
+    if ("topk_values" in features) != ("topk_ids" in features):
+        return "the teacher top-k has values or ids, not both"
+    return ""
+
+
+SCALED = ("int8", "fp8", "int4")  # encodings stored with a `<name>.scale` tensor beside the codes
+STORED_DTYPE = {"bf16": "BF16", "fp16": "F16", "fp8": "F8_E4M3", "int8": "I8", "int4": "U8"}  # safetensors' names
+
+
+def feature_parts(features: dict) -> dict[str, list[tuple[str, str]]]:
+    """Each decoded feature's stored tensors and their encodings, in concatenation order (manifest `features`):
+    {"aux_hidden": [("aux_hidden.0", "fp8"), ...], "last_hidden": [("last_hidden", "fp8")]}."""
+    parts = {}
+    if "aux_hidden" in features:
+        parts["aux_hidden"] = [(f"aux_hidden.{j}", enc) for j, enc in enumerate(features["aux_hidden"]["encodings"])]
+    if "last_hidden" in features:
+        parts["last_hidden"] = [("last_hidden", features["last_hidden"]["encoding"])]
+    return parts
+
+
+def stored_names(features: dict) -> list[str]:
+    """The tensors a sample is read from: ids, loss mask, each feature's codes (and scales), teacher top-k."""
+    names = ["input_ids", "loss_mask"]
+    for parts in feature_parts(features).values():
+        for name, encoding in parts:
+            names += [name, name + ".scale"] if encoding in SCALED else [name]
+    if "topk_values" in features:
+        names += ["topk_values", "topk_ids"]
+    return names
+
+
+def stored_layout(features: dict, tokens: int) -> dict[str, tuple[str | None, list[int]]]:
+    """Each per-token tensor a shard of `tokens` tokens holds for these manifest features: (safetensors dtype, or
+    None where more than one is written, shape). A feature's width is split evenly over its parts (aux_hidden's
+    layers); int4 packs two codes a byte, with one scale per group of INT4_GROUP values."""
+    layout: dict[str, tuple[str | None, list[int]]] = {"input_ids": (None, [tokens]), "loss_mask": ("U8", [tokens])}
+    for feature, parts in feature_parts(features).items():
+        width = features[feature]["shape"][0] // len(parts)
+        for name, encoding in parts:
+            layout[name] = (STORED_DTYPE[encoding], [tokens, width // 2 if encoding == "int4" else width])
+            if encoding in SCALED:
+                layout[name + ".scale"] = ("BF16", [tokens, width // INT4_GROUP if encoding == "int4" else 1])
+    if "topk_values" in features:
+        k = features["topk_values"]["shape"][0]
+        layout.update(topk_values=("F16", [tokens, k]), topk_ids=(None, [tokens, k]))
+    return layout
+
+
+def decode_sample(stored: dict[str, torch.Tensor], features: dict, dtype: torch.dtype = torch.float32
+                  ) -> dict[str, torch.Tensor]:
+    """What the trainer reads, from what is stored: input_ids long, loss_mask float, features as `dtype`
+    (aux_hidden's layers concatenated), top-k values float and ids long.
+
+    Tensors are [T, ...] (one sample) or [N, ...] (a padded batch flattened); it runs on whatever
+    device they are on: the CPU in `ShardReader.sample`, the training device in the loader."""
+    out = {"input_ids": stored["input_ids"].long(), "loss_mask": stored["loss_mask"].to(torch.float32)}
+    for feature, parts in feature_parts(features).items():
+        decoded = [decode(stored[name], stored[name + ".scale"] if encoding in SCALED else None, encoding, dtype)
+                   for name, encoding in parts]
+        out[feature] = torch.cat(decoded, dim=-1) if feature == "aux_hidden" else decoded[0]
+    if "topk_values" in features:
+        out["topk_values"] = stored["topk_values"].to(torch.float32)
+        out["topk_ids"] = stored["topk_ids"].long()
+    return out
 
 
 class ShardReader:
@@ -426,6 +727,7 @@ class ShardReader:
         records = self.manifest["shards"]
         counts = [r.get("num_samples") for r in records]
         self._starts = np.cumsum([0] + counts) if all(isinstance(c, int) for c in counts) else None
+        self._check_index(counts)
         self._handles: OrderedDict[int, Any] = OrderedDict()
         self._offsets: dict[int, torch.Tensor] = {}
         self._reset_verification()
@@ -457,9 +759,26 @@ class ShardReader:
             raise EyasError(f"shard index '{path}' does not match its checksum in the manifest (corrupt); "
                             "rerun `eyas dump RECIPE` to repair it")
         try:
-            return load(payload)
+            index = load(payload)
         except Exception as exc:  # safetensors raises its own error types for a damaged header
             raise EyasError(f"shard index '{path}' cannot be read ({exc}); rerun `eyas dump RECIPE`") from None
+        columns = ("length", "shard", "row", "prepared_index")
+        if any(name not in index or index[name].dim() != 1 for name in columns) or \
+                len({index[name].numel() for name in columns}) != 1:
+            raise EyasError(f"shard index '{path}' lacks its columns ({', '.join(columns)}, one value per sample); "
+                            "rerun `eyas dump RECIPE` to repair it")
+        return index
+
+    def _check_index(self, counts: list[int]) -> None:
+        """The index lists exactly the manifest's samples, each at a shard and row the manifest has (a manifest
+        that lost a shard's record still matches its index's checksum)."""
+        shard, row = self._index["shard"].long(), self._index["row"].long()
+        n, last = int(shard.numel()), len(counts) - 1
+        fits = n == sum(counts) and (n == 0 or (int(shard.min()) >= 0 and int(shard.max()) <= last and int(row.min()) >= 0
+                                               and bool((row < torch.tensor(counts)[shard.clamp(0, last)]).all())))
+        if not fits:
+            raise EyasError(f"the shard index of '{self.shard_dir}' lists {n} samples, its manifest {sum(counts)} in "
+                            f"{len(counts)} shards: they are not of one dump; rerun `eyas dump RECIPE` to rewrite them")
 
     def _handle(self, shard: int):
         from safetensors import safe_open
@@ -476,7 +795,7 @@ class ShardReader:
         if self.verify and shard not in self._checked:
             problem = self._shard_problem(shard, handle, offsets)
             if problem:
-                raise EyasError(f"shard file '{path}' is corrupt: {problem}; rerun `eyas dump RECIPE` to repair it")
+                raise EyasError(f"shard file '{path}' is corrupt: {problem}; rerun `eyas dump RECIPE` with --reverify to repair it")
         self._offsets[shard] = offsets
         self._handles[shard] = handle
         if len(self._handles) > OPEN_HANDLES:
@@ -499,6 +818,9 @@ class ShardReader:
         the per-sample checksums loaded (or, for a shard without them, the whole file hashed)."""
         record = self.manifest["shards"][shard]
         keys = set(handle.keys())
+        problem = self._layout_problem(handle, keys, record["num_tokens"])
+        if problem:
+            return problem
         n = int(offsets.numel()) - 1
         if self._starts is not None:
             start, end = int(self._starts[shard]), int(self._starts[shard + 1])
@@ -527,6 +849,21 @@ class ShardReader:
             if sha256_file(path) != record["sha256"]:
                 return "its sha256 differs from the manifest's"
         self._checked[shard] = (rows, crcs)
+        return ""
+
+    def _layout_problem(self, handle: Any, keys: set[str], tokens: int) -> str:
+        """'' if a shard holds every tensor the manifest's features name, in the dtype its encoding stores and the
+        shape decoding expects ([tokens, width]), else what differs (a header edited to another valid layout)."""
+        names = stored_names(self.manifest["features"]) + ["offsets", "sample_index"]
+        missing = [name for name in names if name not in keys]
+        if missing:
+            return f"it lacks '{missing[0]}', which the manifest's features name"
+        for name, (dtype, shape) in stored_layout(self.manifest["features"], tokens).items():
+            found = handle.get_slice(name)
+            if dtype is not None and found.get_dtype() != dtype:
+                return f"its '{name}' is {found.get_dtype()}, the manifest's encoding stores {dtype}"
+            if list(found.get_shape()) != shape:
+                return f"its '{name}' has shape {list(found.get_shape())}, the manifest's features give {shape}"
         return ""
 
     def __getstate__(self):  # DataLoader workers re-open (and re-check) files lazily in their own process
@@ -569,19 +906,20 @@ class ShardReader:
             if crc != int(crcs[row]):
                 path = self.shard_dir / self.manifest["shards"][shard]["file"]
                 raise EyasError(f"shard file '{path}' is corrupt: sample {row} (prepared row {self.prepared_index(i)}) "
-                                "does not match its checksum; rerun `eyas dump RECIPE` to repair it")
+                                "does not match its checksum; rerun `eyas dump RECIPE` with --reverify to repair it")
         self._sample_ok[i] = True
 
-    def sample(self, i: int) -> dict[str, torch.Tensor]:
-        """Sample i: input_ids long [T], loss_mask float [T], decoded features [T, ...]."""
+    def codes(self, i: int) -> dict[str, torch.Tensor]:
+        """Sample i as stored ([T, ...] each, `stored_names`): ids, loss mask, feature codes and scales.
+
+        Checked like `sample` (its checksum at the first read); nothing is decoded, so a loader
+        worker only slices the memory-mapped shard and the decode runs on the training device."""
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} out of range 0..{len(self) - 1}")
         shard, row = int(self._index["shard"][i]), int(self._index["row"][i])
         handle = self._handle(shard)
         offsets = self._offsets[shard]
         start, end = int(offsets[row]), int(offsets[row + 1])
-        verify = self.verify and not self._sample_ok[i]
-        names = self._checked[shard][0] if verify else None
         raw: dict[str, torch.Tensor] = {}
 
         def read(name: str) -> torch.Tensor:
@@ -589,46 +927,20 @@ class ShardReader:
                 raw[name] = self._read(handle, name, start, end)
             return raw[name]
 
-        if verify:
-            for name in names:
+        if self.verify and not self._sample_ok[i]:
+            for name in self._checked[shard][0]:
                 read(name)
             self._check_sample(i, shard, row, raw)
-        out = {"input_ids": read("input_ids").long(), "loss_mask": read("loss_mask").to(torch.float32)}
-        features = self.manifest["features"]
+        return {name: read(name) for name in stored_names(self.manifest["features"])}
 
-        def decoded(name: str, encoding: str) -> torch.Tensor:
-            scale = read(name + ".scale") if encoding in ("int8", "fp8", "int4") else None
-            return decode(read(name), scale, encoding, self.dtype)
-
-        if "aux_hidden" in features:
-            encs = features["aux_hidden"]["encodings"]
-            out["aux_hidden"] = torch.cat([decoded(f"aux_hidden.{j}", enc) for j, enc in enumerate(encs)], dim=-1)
-        if "last_hidden" in features:
-            out["last_hidden"] = decoded("last_hidden", features["last_hidden"]["encoding"])
-        if "topk_values" in features:
-            out["topk_values"] = read("topk_values").to(torch.float32)
-            out["topk_ids"] = read("topk_ids").long()
-        return out
+    def sample(self, i: int) -> dict[str, torch.Tensor]:
+        """Sample i: input_ids long [T], loss_mask float [T], decoded features [T, ...] (on the CPU)."""
+        return decode_sample(self.codes(i), self.manifest["features"], self.dtype)
 
 
 
 # ----------------------------------------------------------------------------- batching
-
-
-def pad_batch(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Right-pad samples to the longest; attention_mask marks real tokens."""
-    longest = max(s["input_ids"].numel() for s in samples)
-    batch: dict[str, torch.Tensor] = {}
-    for key in samples[0]:
-        first = samples[0][key]
-        out = first.new_zeros((len(samples), longest) + tuple(first.shape[1:]))
-        for b, s in enumerate(samples):
-            out[b, : s[key].shape[0]] = s[key]
-        batch[key] = out
-    batch["attention_mask"] = torch.zeros(len(samples), longest, dtype=torch.long)
-    for b, s in enumerate(samples):
-        batch["attention_mask"][b, : s["input_ids"].numel()] = 1
-    return batch
+# The dump's batching rule; the trainer's loader (eyas.train.loader) cuts its batches with it too.
 
 
 def budget_batches(order: np.ndarray, lengths: np.ndarray, token_budget: int) -> list[np.ndarray]:
@@ -647,87 +959,6 @@ def budget_batches(order: np.ndarray, lengths: np.ndarray, token_budget: int) ->
     if start < len(order):
         batches.append(order[start:])
     return batches
-
-
-class TokenBudgetLoader:
-    """Padded batches of at most `token_budget` tokens, shuffled by (seed, epoch), split by rank.
-
-    The epoch's order is built lazily, a window of samples at a time (the permutation, then each
-    window sorted by length and cut into budget batches whose order is shuffled), so the first
-    batch costs the same for any dataset size and padding stays small. Batches are dealt to ranks
-    in groups of `world_size`; an incomplete last group is dropped so every rank takes the same
-    number of steps. `state_dict()` is this rank's position (epoch, batches taken); iterating
-    after `load_state_dict` continues exactly where the saved run stopped.
-    """
-
-    def __init__(self, reader: ShardReader, token_budget: int, seed: int = 0, rank: int = 0, world_size: int = 1,
-                 shuffle: bool = True, window: int = 2048):
-        if token_budget <= 0:
-            raise EyasError(f"token_budget must be > 0, got {token_budget}")
-        if not 0 <= rank < world_size:
-            raise EyasError(f"rank {rank} is outside world_size {world_size}")
-        self.reader, self.token_budget, self.seed = reader, int(token_budget), int(seed)
-        self.rank, self.world_size, self.shuffle, self.window = rank, world_size, shuffle, int(window)
-        self.epoch = 0
-        self.position = 0  # batches this rank has taken in the current epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch's order; the position restarts unless it is the epoch already under way."""
-        if int(epoch) != self.epoch:
-            self.epoch, self.position = int(epoch), 0
-
-    def _rng(self, salt: int) -> np.random.Generator:
-        return np.random.default_rng([self.seed, self.epoch, salt])
-
-    def _global_batches(self) -> Iterator[np.ndarray]:
-        """The epoch's batches (sample indices) for all ranks, in order, built one window at a time."""
-        lengths = self.reader.lengths
-        n = len(lengths)
-        order = self._rng(0).permutation(n) if self.shuffle else np.arange(n)
-        for w, start in enumerate(range(0, n, self.window)):
-            chunk = order[start:start + self.window]
-            chunk = chunk[np.argsort(-lengths[chunk], kind="stable")]
-            batches = budget_batches(chunk, lengths, self.token_budget)
-            if self.shuffle:
-                batches = [batches[j] for j in self._rng(w + 1).permutation(len(batches))]
-            yield from batches
-
-    def _rank_batches(self) -> Iterator[np.ndarray]:
-        group: list[np.ndarray] = []
-        for batch in self._global_batches():
-            group.append(batch)
-            if len(group) == self.world_size:
-                yield group[self.rank]
-                group = []
-
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        skip = self.position
-        for taken, indices in enumerate(self._rank_batches()):
-            if taken < skip:
-                continue  # resuming: index arithmetic only, no data is read
-            samples = [self.reader.sample(int(i)) for i in indices]
-            self.position = taken + 1
-            yield pad_batch(samples)
-        self.epoch, self.position = self.epoch + 1, 0  # a finished epoch moves on to the next order
-
-    def __len__(self) -> int:
-        """Batches this rank takes per epoch (walks the epoch's index plan: O(samples), no data read)."""
-        return sum(1 for _ in self._rank_batches())
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "token_budget": self.token_budget,
-                "rank": self.rank, "world_size": self.world_size, "shuffle": self.shuffle, "window": self.window,
-                "num_samples": len(self.reader)}
-
-    def load_state_dict(self, state: dict) -> None:
-        for key in ("seed", "token_budget", "world_size", "shuffle", "window", "num_samples"):
-            mine = len(self.reader) if key == "num_samples" else getattr(self, key)
-            if key in state and state[key] != mine:
-                raise EyasError(
-                    f"cannot resume the data position: it was saved with {key}={state[key]!r}, this run has "
-                    f"{mine!r}; resume with the same settings and shards, or start a new run"
-                )
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
 def wait_for(paths: list[Path], poll_s: float = 2.0, timeout_s: float | None = None) -> None:
@@ -784,7 +1015,7 @@ def main(argv: list[str] | None = None) -> int:
             problems += found
         if problems:
             raise EyasError(f"{len(problems)} problem(s) in the shards under '{root}' (listed above); "
-                            "rerun `eyas dump RECIPE` to repair them")
+                            "rerun `eyas dump RECIPE` with --reverify to repair them")
         return 0
 
     return guarded(body, args.debug)

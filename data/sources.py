@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.errors import EyasError
+from eyas.io import json_problem
 
 CHITCHAT_INSTALL = "pip install --no-deps chitchat-dataset"
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -120,6 +121,7 @@ def normalize_row(row: Any, row_id: str, fmt: str = "auto") -> dict:
     if not isinstance(row, dict):
         raise ValueError(f"row is a {type(row).__name__}, not an object")
     row_id = str(row.get("id", row_id))
+    _check_unicode(row_id, "'id'")  # row ids are hashed for the held-out split and written to arrow files
     if fmt == "auto":
         fmt = "sharegpt" if "conversations" in row else "openai" if "messages" in row else "text" if "text" in row else ""
         if not fmt:
@@ -186,8 +188,8 @@ def _read_file_rows(path: Path, skips: Skips) -> Iterable[tuple[str, Any]]:
                     continue
                 try:
                     yield row_id, json.loads(line)
-                except json.JSONDecodeError as exc:
-                    skips.add("malformed JSON line", row_id, exc.msg)
+                except (ValueError, RecursionError) as exc:  # also an int past 4300 digits, nesting past the stack
+                    skips.add("malformed JSON line", row_id, json_problem(exc, where=False))
             return
         data = f.read()
     if data.startswith(BOM):
@@ -201,8 +203,8 @@ def _read_file_rows(path: Path, skips: Skips) -> Iterable[tuple[str, Any]]:
                         "counted") from None
     try:
         rows = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise EyasError(f"data file '{path}' is not valid JSON (line {exc.lineno}: {exc.msg}); "
+    except (ValueError, RecursionError) as exc:
+        raise EyasError(f"data file '{path}' is not valid JSON ({json_problem(exc)}); "
                         "use a JSON list of rows or JSONL, one row per line") from None
     if isinstance(rows, dict):
         rows = rows.get("data") or rows.get("rows") or [rows]

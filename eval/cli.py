@@ -2,7 +2,7 @@
 
     eyas eval RECIPE [section.key=value ...]
     eyas eval --target PATH --draft D [--draft D2] --prompts FILE --shapes chain:5 dynamic:depth=6,topk=8,nodes=32
-              [--temperature 0] [--top-p 1] [--top-k 0] [--max-new-tokens 128] [--max-prompts 20] [--out DIR]
+              [--temperature 0] [--top-p 1] [--top-k 0] [--max-new-tokens 128] [--max-prompts 20] [--batch-size 1] [--out DIR]
 
 A draft is a checkpoint directory (eagle, eagle3, mtp from `eyas train`), `truncated:N` (the
 target's first N layers, a baseline draft) or `mixture:LAM` (a test draft of known acceptance).
@@ -34,7 +34,8 @@ from eyas.eval.prompts import load_prompts
 from eyas.eval.report import plot, print_report, write_json
 from eyas.eval.runner import encode_prompts, evaluate
 from eyas.eval.tree import parse_shape
-from eyas.targets import load_target, resolve_target_path
+from eyas.precision import eval_dtype, native_bf16
+from eyas.targets import load_target, pick_device, resolve_target_path
 from eyas.train.checkpoint import best_checkpoint
 
 
@@ -52,6 +53,8 @@ def build_parser():
     parser.add_argument("--top-k", dest="top_k")
     parser.add_argument("--max-new-tokens", dest="max_new_tokens")
     parser.add_argument("--max-prompts", dest="max_prompts")
+    parser.add_argument("--batch-size", dest="batch_size",
+                        help="prompts decoded at once (eval.batch_size; 1 = one at a time, latency figures)")
     parser.add_argument("--out", help="output folder for report.json and acceptance.png (default: eval.output, else "
                         "<run_dir>/eval; with --target/--draft/--prompts/--shapes or sampling flags, "
                         "<run_dir>/eval/<UTC time> so the run's own report stays)")
@@ -71,7 +74,7 @@ def _flag_overrides(args) -> list[str]:
         out.append(f"eval.prompts={args.prompts}")
     if args.shapes:
         out.append("eval.shapes=" + json.dumps(args.shapes))
-    for key in ("temperature", "top_p", "top_k", "max_new_tokens", "max_prompts"):
+    for key in ("temperature", "top_p", "top_k", "max_new_tokens", "max_prompts", "batch_size"):
         value = getattr(args, key)
         if value is not None:
             out.append(f"eval.{key}={value}")
@@ -103,6 +106,12 @@ def _machine(device) -> dict:
     return info
 
 
+def _eval_target(recipe: Recipe):
+    """The recipe's target settings with the weights dtype `eval.target_dtype` picks for this machine."""
+    dtype = eval_dtype(recipe.eval.target_dtype, recipe.target.dtype, pick_device(recipe.target.device))
+    return dataclasses.replace(recipe.target, dtype=dtype)
+
+
 def run(recipe: Recipe, progress: bool = True, console=None) -> dict:
     """Evaluate a resolved recipe; writes report.json + acceptance.png and returns the report."""
     ev = recipe.eval
@@ -116,7 +125,7 @@ def run(recipe: Recipe, progress: bool = True, console=None) -> dict:
     specs = _draft_specs(recipe)
     run_dir = recipe.run_dir if ev.prompts == "heldout" else None
     prompts, skipped = load_prompts(ev.prompts, run_dir, ev.max_prompts)
-    target, tokenizer = load_target(recipe.target)
+    target, tokenizer = load_target(_eval_target(recipe))
     check_against_target(recipe, target.config)
     drafts = [make_draft(s, target, tokenizer, params, target_path=recipe.target.path) for s in specs]
     encoded, too_long = encode_prompts(prompts, tokenizer, target, ev.max_new_tokens, max(s.max_nodes for s in shapes),
@@ -126,17 +135,19 @@ def run(recipe: Recipe, progress: bool = True, console=None) -> dict:
         raise EyasError(f"all {len(prompts)} prompts are longer than the target's context allows with "
                         f"eval.max_new_tokens={ev.max_new_tokens}; lower it or use shorter prompts")
     results = evaluate(target, tokenizer, drafts, shapes, encoded, params, ev.max_new_tokens,
-                       seed=recipe.run.seed, baseline=ev.baseline, progress=progress)
+                       seed=recipe.run.seed, baseline=ev.baseline, progress=progress, batch_size=ev.batch_size)
     report = {
         "eyas_version": __version__,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "target": {"name": recipe.target.path, "path": str(resolve_target_path(recipe.target.path)),
-                   "dtype": str(target.dtype).replace("torch.", ""), "num_hidden_layers": target.config.num_hidden_layers,
+                   "dtype": str(target.dtype).replace("torch.", ""), "dtype_setting": ev.target_dtype,
+                   "native_bf16": native_bf16(target.device), "num_hidden_layers": target.config.num_hidden_layers,
                    "vocab_size": target.config.vocab_size},
         "settings": {"temperature": ev.temperature, "top_p": ev.top_p, "top_k": ev.top_k,
                      "max_new_tokens": ev.max_new_tokens, "seed": recipe.run.seed, "prompts": ev.prompts,
                      "prompts_loaded": len(prompts), "prompts_used": len(encoded), "skipped": skipped,
-                     "drafts": specs, "shapes": [s.spec for s in shapes], "baseline": ev.baseline},
+                     "drafts": specs, "shapes": [s.spec for s in shapes], "baseline": ev.baseline,
+                     "batch_size": ev.batch_size},
         "machine": _machine(target.device),
         "definitions": {
             "alpha": "alpha[d-1] = P(draft token d accepted | tokens 1..d-1 accepted)",
@@ -145,6 +156,7 @@ def run(recipe: Recipe, progress: bool = True, console=None) -> dict:
             "tau_from_alpha": "1 + sum_d prod_{j<=d} alpha_j",
             "tau_iid": "(1 - a^(K+1)) / (1 - a) with a = all accepts / all attempts (chains)",
             "speedup": "tokens/s over the target alone (bare KV-cache loop, prefill included on both sides), same prompts, same run",
+            "prompts_per_s": "prompts decoded per second (at batch_size > 1 a batch's time is split evenly over its rows)",
         },
         **results,
         "recipe": recipe.to_dict(),
@@ -169,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         adhoc = [o for o in _flag_overrides(args) if not o.startswith("eval.output=")]
         if adhoc and not recipe.eval.output:
             # A comparison set up by flags gets a folder of its own; the run's report in <run_dir>/eval stays.
-            stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+            stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
             own = dataclasses.replace(recipe.eval, output=str(recipe.run_dir / "eval" / stamp))
             recipe = dataclasses.replace(recipe, eval=own)
         inputs = _draft_specs(recipe) + ([recipe.eval.prompts] if recipe.eval.prompts != "heldout" else [])

@@ -22,6 +22,7 @@ import torch
 from eyas.decode import (
     SamplingParams,
     cache_kwarg,
+    left_padded_ids,
     new_cache,
     plain_decode,
     process_logits,
@@ -31,7 +32,7 @@ from eyas.decode import (
     token_chooser,
 )
 from eyas.errors import EyasError
-from eyas.eval.kv import check_attention, keep_positions, tree_mask
+from eyas.eval.kv import check_attention, keep_positions, row_invariant_attention, tree_mask
 from eyas.eval.tree import Shape, build_tree
 from eyas.eval.verify import verify_greedy, verify_sampled
 
@@ -106,12 +107,13 @@ class SpeculativeDecoder:
 
     # -- target --------------------------------------------------------------------------------
 
-    def _target_forward(self, cache, ids: list[int], positions: list[int], mask):
+    def _target_forward(self, cache, ids: list[int], positions: list[int], mask, keep: int = 0):
+        """(logits of the last `keep` positions (0: all) [n, V], the draft's features [len(ids), F] or None)."""
         out = self.target(
             input_ids=torch.tensor([ids], device=self.device),
             position_ids=torch.tensor([positions], device=self.device),
             attention_mask=mask, use_cache=True, output_hidden_states=self.feature_layers is not None,
-            **{self._cache_kw: cache},
+            logits_to_keep=keep, **{self._cache_kw: cache},
         )
         features = None
         if self.feature_layers is not None:
@@ -136,6 +138,10 @@ class SpeculativeDecoder:
     def generate(self, prompt_ids, max_new_tokens: int) -> DecodeResult:
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
         self.check_prompt(len(prompt), max_new_tokens)
+        with row_invariant_attention(self.device, self.target.dtype):  # as the reference (`target_decode`) runs
+            return self._generate(prompt, max_new_tokens)
+
+    def _generate(self, prompt: torch.Tensor, max_new_tokens: int) -> DecodeResult:
         clock = _Clock(self.device)
         target_forward = clock.timed("target", self._target_forward)
         start, expand, commit = (clock.timed("draft", f) for f in (self.draft.start, self.draft.expand, self.draft.commit))
@@ -144,7 +150,8 @@ class SpeculativeDecoder:
 
         cache = new_cache()
         prefix = len(prompt)
-        logits, features = target_forward(cache, prompt.tolist(), list(range(prefix)), None)
+        # only the last prompt position's logits are read (the draft takes hidden states, not logits)
+        logits, features = target_forward(cache, prompt.tolist(), list(range(prefix)), None, keep=1)
         root = self._choose(logits[-1])
         result.tokens.append(root)
         if root not in self.eos and max_new_tokens > 1:
@@ -217,8 +224,21 @@ def target_decode(target, prompt_ids, max_new_tokens: int, params: SamplingParam
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()[None].to(target.device)
     choose = token_chooser(params, seeded_generator(target.device, seed))
     eos = torch.tensor(sorted(eos_token_ids) or [-1], device=target.device)
-    tokens = plain_decode(target, prompt, torch.ones_like(prompt), max_new_tokens, eos, choose)[0]
+    with row_invariant_attention(target.device, target.dtype):  # as the speculative decoder runs it
+        tokens = plain_decode(target, prompt, torch.ones_like(prompt), max_new_tokens, eos, choose)[0]
     return _cut(tokens, set(eos_token_ids), max_new_tokens)
+
+
+def target_decode_batch(target, prompts: list[list[int]], max_new_tokens: int, params: SamplingParams,
+                        eos_token_ids: list[int], seed: int = 0) -> list[list[int]]:
+    """`target_decode` over a left-padded batch (the baseline of a batched eval): one sampler for the
+    batch, so at T > 0 a row's draws depend on its batch; at T = 0 each row is its prompt's greedy decode."""
+    ids, mask = left_padded_ids([list(p) for p in prompts], target.device)
+    choose = token_chooser(params, seeded_generator(target.device, seed))
+    eos = torch.tensor(sorted(eos_token_ids) or [-1], device=target.device)
+    with row_invariant_attention(target.device, target.dtype):
+        rows = plain_decode(target, ids, mask, max_new_tokens, eos, choose)
+    return [_cut(tokens, set(eos_token_ids), max_new_tokens) for tokens in rows]
 
 
 @torch.inference_mode()

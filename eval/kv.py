@@ -6,11 +6,18 @@ tensor as it is), so the tree mask is built here as an additive float mask
 minimum elsewhere. sdpa and eager attention both take it; flash-attention-2 cannot.
 Pruning keeps the accepted path by moving its entries next to the prefix and slicing the
 rest off; the prefix is never recomputed.
+
+`row_invariant_attention` pins sdpa's math kernel for a bf16/fp16 target on a CPU, for the
+decoder and its target-alone reference, so that a verify over n tokens computes each row as a
+single-token step does.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from eyas.errors import EyasError
 
@@ -27,6 +34,26 @@ def check_attention(model) -> None:
             f"tree verification needs a custom attention mask; the target uses attn_implementation={impl!r}: "
             "set target.attn_implementation=sdpa (or eager) for eval"
         )
+
+
+def row_invariant_attention(device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    """A bf16/fp16 target on a CPU: sdpa's math kernel for every attention call in the block; else nothing.
+
+    torch's CPU flash-attention kernel rounds a query row differently depending on how many rows
+    the call carries, so in bf16 a verify over n tokens and n single-token steps disagree now and
+    then, and bf16 rounding turns a near-tie into another token (tiny Qwen2, 18 prefix lengths:
+    7 verifies differ from the steps with flash, 0 with the math kernel; tiny Llama and Qwen2,
+    160 bf16 decodes: 117 equal to the bf16 target's greedy decode with flash, 160 with math).
+    Not a guarantee: a verify row also sums over the masked positions of later tree nodes, which a
+    single step does not have, so a last bit can still differ (tests/test_eval_precision.py; on
+    SmolLM2 in bf16 only 2 and 4 of 8 eval outputs matched, docs/results.md). In
+    fp32 the kernels' last-bit differences have not turned a token in any run (every fp32 output
+    matched), so fp32 keeps the default kernels; GPU kernels are not row-invariant either way, so
+    nothing is pinned there.
+    """
+    if torch.device(device).type != "cpu" or dtype == torch.float32:
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPBackend.MATH])
 
 
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:

@@ -40,6 +40,17 @@ def next_turn(prompt: Prompt, answer: str) -> Prompt:
     return Prompt(prompt.id, prompt.category, messages, prompt.followups[1:], prompt.turn + 1)
 
 
+def _text(value: Any) -> bool:
+    """A string a tokenizer takes: UTF-8 encodable (JSON escapes can smuggle in a lone surrogate, \\ud800)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _until_last_user(messages: list[dict]) -> list[dict] | None:
     last = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
     if last is None:
@@ -55,13 +66,13 @@ def prompt_from_row(row: Any, index: int, default_category: str = "all") -> Prom
     category = str(row.get("category") or default_category)
     messages, followups = None, []
     turns = row.get("turns")
-    if isinstance(turns, list) and turns and all(isinstance(t, str) and t.strip() for t in turns):
+    if isinstance(turns, list) and turns and all(_text(t) and t.strip() for t in turns):
         messages, followups = [{"role": "user", "content": turns[0]}], list(turns[1:])
     elif isinstance(row.get("messages"), list):
         msgs = row["messages"]
-        if all(isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m for m in msgs):
+        if all(isinstance(m, dict) and _text(m.get("content")) and isinstance(m.get("role"), str) for m in msgs):
             messages = _until_last_user(msgs)
-    elif isinstance(row.get("prompt"), str) and row["prompt"].strip():
+    elif _text(row.get("prompt")) and row["prompt"].strip():
         messages = [{"role": "user", "content": row["prompt"]}]
     if not messages:
         return None
@@ -69,7 +80,13 @@ def prompt_from_row(row: Any, index: int, default_category: str = "all") -> Prom
 
 
 def _read_file(path: Path) -> list[Any]:
-    text = path.read_text()
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8-sig")  # a leading BOM dropped
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise EyasError(f"prompt file '{path}' is not UTF-8 text (byte 0x{data[exc.start]:02x} on line {line}); "
+                        "save it as UTF-8") from None
     if not text.strip():
         raise EyasError(f"prompt file '{path}' is empty; give JSONL rows like {{\"turns\": [\"...\"], \"category\": \"...\"}}")
     stripped = text.lstrip()
@@ -78,16 +95,22 @@ def _read_file(path: Path) -> list[Any]:
             rows = json.loads(text)
         except json.JSONDecodeError as exc:
             raise EyasError(f"prompt file '{path}' is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        except (ValueError, RecursionError) as exc:  # an int past int()'s 4300 digits, nesting past the stack
+            raise EyasError(f"prompt file '{path}' is not valid JSON ({_too_big(exc)})") from None
         return rows if isinstance(rows, list) else [rows]
     rows = []
-    for line in text.splitlines():
+    for line in text.split("\n"):  # not splitlines(): JSON strings may hold \u2028 and other separators it splits at
         if not line.strip():
             continue
         try:
             rows.append(json.loads(line))
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             rows.append(None)  # counted as unusable below
     return rows
+
+
+def _too_big(exc: BaseException) -> str:
+    return "nested too deeply" if isinstance(exc, RecursionError) else " ".join(str(exc).split(";")[0].split())
 
 
 def load_prompts(source: str, run_dir: str | Path | None = None, max_prompts: int = 0

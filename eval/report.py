@@ -44,8 +44,9 @@ def main_table(report: dict):
     configs = report["configs"]
     depth = min(max((len(c["overall"]["alpha"]) for c in configs), default=0), MAX_ALPHA_COLUMNS)
     settings = report["settings"]
-    title = (f"speculative decoding on {report['target']['name']}: T={settings['temperature']:g}, "
-             f"{settings['prompts_used']} prompts x {settings['max_new_tokens']} new tokens")
+    dtype = report["target"].get("dtype")
+    title = (f"speculative decoding on {report['target']['name']}" + (f" ({dtype})" if dtype else "") +
+             f": T={settings['temperature']:g}, {settings['prompts_used']} prompts x {settings['max_new_tokens']} new tokens")
     table = _table(title)
     _column(table, "draft", "left", wrap=True)
     _column(table, "shape", "left", wrap=True)

@@ -4,6 +4,14 @@ For each prompt: the target alone (a bare KV-cache loop, `target_decode`) is tim
 every configuration decodes the same prompt; interleaving keeps slow drifts of a shared
 machine from favouring whichever ran first. A short untimed warm-up runs each path once.
 At T=0 every speculative output is also compared with the target's own greedy output.
+
+With `batch_size` > 1 the prompts go in batches of that many (in the given order): the target
+alone decodes a batch with `plain_decode` (left-padded, finished rows leave), and each
+configuration decodes it with `eyas.eval.batched.BatchedDecoder` (one target forward verifies
+every row); a draft or shape that is not batched decodes the batch one prompt at a time, and
+its summary says why (`batch_note`). A batch's seconds are split evenly over its rows, so
+tokens/s, prompts/s and the speedup are the batch's throughput; at batch 1 they are the
+latency figures of one prompt at a time.
 """
 
 from __future__ import annotations
@@ -15,7 +23,8 @@ import torch
 from tqdm.auto import tqdm
 
 from eyas.decode import SamplingParams, stop_token_ids
-from eyas.eval.decoder import SpeculativeDecoder, max_context, target_decode
+from eyas.eval.batched import BatchedDecoder, batch_unsupported
+from eyas.eval.decoder import SpeculativeDecoder, max_context, target_decode, target_decode_batch
 from eyas.eval.metrics import BaselineTally, Tally, summarize
 from eyas.eval.prompts import Prompt, next_turn, render
 from eyas.eval.tree import Shape
@@ -36,6 +45,8 @@ class Config:
     draft: object
     shape: Shape
     decoder: SpeculativeDecoder
+    batched: BatchedDecoder | None = None
+    batch_note: str | None = None
     overall: Tally = field(default_factory=Tally)
     per_category: dict = field(default_factory=dict)
     per_turn: dict = field(default_factory=dict)
@@ -81,10 +92,13 @@ def _clock(device) -> float:
 
 def evaluate(target, tokenizer, drafts: list, shapes: list[Shape], prompts: list[EncodedPrompt],
              params: SamplingParams, max_new_tokens: int, seed: int = 0, baseline: bool = True,
-             progress: bool = True) -> dict:
+             progress: bool = True, batch_size: int = 1) -> dict:
     """Decode every prompt with every draft x shape (and the target alone); return summaries."""
     eos = stop_token_ids(target, tokenizer)
     configs = [Config(d, s, SpeculativeDecoder(target, d, s, params, eos, seed=seed)) for d in drafts for s in shapes]
+    if batch_size > 1:
+        return _evaluate_batched(target, configs, prompts, params, max_new_tokens, eos, seed, baseline, progress,
+                                 batch_size)
     base_all, base_cat, base_turn = BaselineTally(), {}, {}
     if prompts:  # untimed warm-up of every path (first-call allocations, kernel selection)
         target_decode(target, prompts[0].ids, min(8, max_new_tokens), params, eos, seed)
@@ -113,15 +127,72 @@ def evaluate(target, tokenizer, drafts: list, shapes: list[Shape], prompts: list
         if configs:
             bar.set_postfix(tau=f"{1 + configs[0].overall.accepted / max(configs[0].overall.rounds, 1):.2f}")
     bar.close()
+    return _summaries(configs, baseline, base_all, base_cat, base_turn)
+
+
+def _summaries(configs: list[Config], baseline: bool, base_all: BaselineTally, base_cat: dict, base_turn: dict) -> dict:
     return {
         "baseline": _baseline_summary(base_all, base_cat, base_turn) if baseline else None,
         "configs": [_config_summary(c, base_all if baseline else None, base_cat, base_turn) for c in configs],
     }
 
 
+def _evaluate_batched(target, configs: list[Config], prompts: list[EncodedPrompt], params: SamplingParams,
+                      max_new_tokens: int, eos: list[int], seed: int, baseline: bool, progress: bool,
+                      batch_size: int) -> dict:
+    """`evaluate` over batches of `batch_size` prompts (see the module docstring)."""
+    for config in configs:
+        config.batch_note = batch_unsupported(config.draft, config.shape)
+        if config.batch_note is None:
+            config.batched = BatchedDecoder(target, config.draft, config.shape, params, eos)
+    batches = [list(range(i, min(i + batch_size, len(prompts)))) for i in range(0, len(prompts), batch_size)]
+    base_all, base_cat, base_turn = BaselineTally(), {}, {}
+    if batches:  # untimed warm-up of every path on two rows (first-call allocations; a full batch costs minutes)
+        first = [prompts[i].ids for i in batches[0][:2]]
+        target_decode_batch(target, first, min(8, max_new_tokens), params, eos, seed)
+        for config in configs:
+            _decode_batch(config, first, min(8, max_new_tokens), [seed + i for i in batches[0][:2]])
+    bar = tqdm(total=len(prompts) * (len(configs) + int(baseline)), desc="eval", unit="decode",
+               disable=not progress, dynamic_ncols=True)
+    for batch in batches:
+        rows = [prompts[i].ids for i in batch]
+        references = [None] * len(batch)
+        if baseline:
+            start = _clock(target.device)
+            references = target_decode_batch(target, rows, max_new_tokens, params, eos, seed + batch[0])
+            share = (_clock(target.device) - start) / len(batch)
+            for i, tokens in zip(batch, references):
+                item = prompts[i]
+                for tally in (base_all, base_cat.setdefault(item.prompt.category, BaselineTally()),
+                              base_turn.setdefault(item.turn, BaselineTally())):
+                    tally.add(len(tokens), share)
+            bar.update(len(batch))
+        for config in configs:
+            results = _decode_batch(config, rows, max_new_tokens, [seed + i for i in batch])
+            for i, result, reference in zip(batch, results, references):
+                ref = reference if params.greedy else None
+                item = prompts[i]
+                config.overall.add(result, ref)
+                config.per_category.setdefault(item.prompt.category, Tally()).add(result, ref)
+                config.per_turn.setdefault(item.turn, Tally()).add(result, ref)
+            bar.update(len(batch))
+        if configs:
+            bar.set_postfix(tau=f"{1 + configs[0].overall.accepted / max(configs[0].overall.rounds, 1):.2f}")
+    bar.close()
+    return _summaries(configs, baseline, base_all, base_cat, base_turn)
+
+
+def _decode_batch(config: Config, rows: list[list[int]], max_new_tokens: int, seeds: list[int]) -> list:
+    """The batched decoder where the draft x shape has one, else one prompt at a time."""
+    if config.batched is not None:
+        return config.batched.generate(rows, max_new_tokens, seeds)
+    return [config.decoder.generate(row, max_new_tokens) for row in rows]
+
+
 def _baseline_summary(overall: BaselineTally, per_category: dict, per_turn: dict) -> dict:
     def one(t: BaselineTally) -> dict:
-        return {"prompts": t.prompts, "tokens": t.tokens, "seconds": t.seconds, "tokens_per_s": t.tokens_per_s}
+        return {"prompts": t.prompts, "tokens": t.tokens, "seconds": t.seconds, "tokens_per_s": t.tokens_per_s,
+            "prompts_per_s": t.prompts / t.seconds if t.seconds > 0 else 0.0}
 
     return {"overall": one(overall), "per_category": {k: one(v) for k, v in sorted(per_category.items())},
             "per_turn": {str(k): one(v) for k, v in sorted(per_turn.items())}}
@@ -133,7 +204,9 @@ def _config_summary(config: Config, baseline: BaselineTally | None, base_cat: di
         "draft": config.draft.name,
         "shape": config.shape.spec,
         "label": config.label,
-        "overall": summarize(config.overall, depth, chain, baseline),
+        "batched": config.batched is not None,
+        "batch_note": config.batch_note,
+        "overall": {**summarize(config.overall, depth, chain, baseline), "prompts_per_s": _per_s(config.overall)},
         "per_category": {
             cat: summarize(t, depth, chain, base_cat.get(cat) if baseline else None)
             for cat, t in sorted(config.per_category.items())
@@ -143,3 +216,7 @@ def _config_summary(config: Config, baseline: BaselineTally | None, base_cat: di
             for turn, t in sorted(config.per_turn.items())
         },
     }
+
+
+def _per_s(tally: Tally) -> float:
+    return tally.prompts / tally.total_s if tally.total_s > 0 else 0.0

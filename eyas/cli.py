@@ -1,4 +1,4 @@
-"""The `eyas` command: one subcommand per stage.
+"""The `eyas` command: one subcommand per row of the command table (`eyas.pipeline`).
 
 Each stage lives in its own module with a `main(argv) -> int`; this file only dispatches,
 so `eyas train RECIPE`, `python -m eyas.train RECIPE` and
@@ -24,18 +24,11 @@ from typing import Any
 
 from eyas.config import load_recipe, save_resolved
 from eyas.errors import EyasError
+from eyas.pipeline import COMMANDS
 
-# subcommand -> (module with main(argv), one-line help)
-STAGES = {
-    "prepare": ("eyas.data.prepare", "render chat data with the target's template and build loss masks"),
-    "dump": ("eyas.data.dump", "run the frozen target and write hidden-state shards"),
-    "train": ("eyas.train.loop", "train a draft head (eagle, eagle3, mtp) from shards or online"),
-    "eval": ("eyas.eval.cli", "speculative decoding with the draft: acceptance per depth, tau, speedup"),
-    "export": ("eyas.train.export", "write a checkpoint that SGLang or vLLM loads as it is"),
-    "quickstart": ("eyas.quickstart", "the whole pipeline on the embedded default target, on a CPU"),
-    "submit": ("eyas.slurm.submit", "render and submit SLURM jobs for a recipe's stages"),
-    "verify": ("eyas.data.shards", "check a run's shards in full: sizes, headers, checksums, offsets"),
-}
+# subcommand -> (module with main(argv), one-line help): a view of the command table (eyas.pipeline), which
+# this module dispatches from; eyas.data.dump, which builds its own parser, takes its help line here.
+STAGES: dict[str, tuple[str, str]] = {name: (command.module, command.help) for name, command in COMMANDS.items()}
 
 
 def stage_parser(prog: str, description: str, recipe_required: bool = True, force: bool = True,
@@ -69,7 +62,7 @@ def stage_main(name: str, argv: list[str] | None, body: Callable[[Any, argparse.
     A first positional that looks like `section.key=value` and is not a file is an override.
     """
     if parser is None:
-        parser = stage_parser(f"eyas {name}", STAGES[name][1])
+        parser = stage_parser(f"eyas {name}", COMMANDS[name].help)
     args = parser.parse_intermixed_args(argv)
 
     def run() -> int | None:
@@ -143,7 +136,7 @@ def quiet_thread_waits() -> None:
 
 
 def run_stage(name: str, argv: list[str]) -> int:
-    module_name, _ = STAGES[name]
+    module_name = COMMANDS[name].module
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
@@ -156,8 +149,8 @@ def run_stage(name: str, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    width = max(len(n) for n in STAGES)
-    usage = "\n".join(f"  {n.ljust(width)}  {h}" for n, (_, h) in STAGES.items())
+    width = max(len(n) for n in COMMANDS)
+    usage = "\n".join(f"  {n.ljust(width)}  {c.help}" for n, c in COMMANDS.items())
     if not argv or argv[0] in ("-h", "--help"):
         print(f"usage: eyas <command> [RECIPE] [section.key=value ...] [--debug]\n\ncommands:\n{usage}\n\n"
               "Run 'eyas <command> --help' for a command's options.")
@@ -167,11 +160,11 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"eyas {__version__}")
         return 0
-    if argv[0] not in STAGES:
+    if argv[0] not in COMMANDS:
         import difflib
 
-        close = difflib.get_close_matches(argv[0], list(STAGES), n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else f"; commands: {', '.join(STAGES)}"
+        close = difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else f"; commands: {', '.join(COMMANDS)}"
         print(f"eyas: error: unknown command '{argv[0]}'{hint}", file=sys.stderr)
         return 2
     quiet_thread_waits()

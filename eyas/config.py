@@ -8,7 +8,7 @@ Rules a user relies on:
 - an unknown or misspelt key is an error naming the key and the closest valid ones;
 - a value of the wrong type or out of range is an error naming the key;
 - command-line overrides `section.key=value` are parsed as YAML scalars/lists;
-- the resolved recipe is written next to every output (`save_resolved`).
+- the resolved recipe is written next to every output (`save_resolved`), its paths made absolute.
 
 Checks that need the target's config (a layer index past its depth) live in
 `check_against_target`, called by the stages once the target config is known.
@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import re
 import typing
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from eyas.draft.kinds import ENGINES, KIND_RULES, kind_rules
 from eyas.errors import EyasError
 from eyas.io import atomic_write_text
 from eyas.steering import parse_categories
@@ -48,6 +50,23 @@ _RecipeLoader.add_implicit_resolver(
 
 def _yaml(text: str) -> Any:
     return yaml.load(text, Loader=_RecipeLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+# What `_yaml` raises for text it cannot read: PyYAML's own errors, the plain Python errors its constructors
+# let out for a tagged value they cannot build (`!!float x`, `!!timestamp 2024-13-45`, `!!bool maybe`, an int
+# past int()'s 4300 digits), and RecursionError for nesting deeper than Python's stack.
+_YAML_FAILURES = (yaml.YAMLError, ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError)
+
+
+def _yaml_problem(exc: BaseException) -> str:
+    """One line saying what is wrong with a YAML text (`exc` one of _YAML_FAILURES)."""
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    if isinstance(exc, yaml.YAMLError):
+        text = getattr(exc, "problem", None) or str(exc)
+    else:
+        text = f"a value it cannot build ({type(exc).__name__}: {exc})"
+    return " ".join(text.split())
 
 
 def _doc(text: str, default: Any = dataclasses.MISSING, factory: Any = dataclasses.MISSING):
@@ -204,6 +223,9 @@ class TrainConfig:
                      "or a mix like `forward_kl:0.9,ce:0.1`.", "forward_kl")
     feature_loss_weight: float = _doc("eagle: weight of the smooth-L1 feature regression.", 1.0)
     teacher_chunk: int = _doc("Positions per chunk when recomputing the teacher through lm_head.", 2048)
+    checkpoint_unroll: bool = _doc(
+        "Recompute each unrolled step (layer, lm_head, loss) in the backward instead of keeping its activations "
+        "(about one more forward per step); for long sequences, see docs/results.md (Long sequences).", False)
     mixed_precision: str = _doc(
         "auto (bf16 where the machine runs it natively: a GPU with bf16, a CPU with AMX or AVX512-BF16; else fp32), "
         "fp32 (or no), bf16 or fp16.", "auto")
@@ -214,12 +236,20 @@ class TrainConfig:
     log_every: int = _doc("Log metrics every N steps.", 10)
     logger: str = _doc("none, wandb (offline without an API key) or tensorboard.", "none")
     resume: bool = _doc("Resume from the newest checkpoint in the run directory if there is one.", True)
+    trust_checkpoint: str = _doc(
+        "Path of a checkpoint to resume from although its training state has no valid digest from your key (written "
+        "before eyas signed checkpoints, by another user, or changed since): a resume unpickles that state, so accept "
+        "only one you trust (docs/reliability.md, Trust model). Empty: resume only from states eyas signed.", "")
     ttt_token_feed: str = _doc(
         "Token an unrolled step reads: draft (the previous step's own argmax, as at inference), data "
         "(teacher forcing) or auto (draft for eagle/eagle3, data for mtp, whose layers see data tokens as context).",
         "auto",
     )
-    prefetch: int = _doc("Batches read ahead by a background thread (0: read in the training thread).", 2)
+    prefetch: int = _doc("Batches read ahead: per loader worker, or by one background thread when loader_workers is 0 "
+                         "(0 then: read in the training thread).", 2)
+    loader_workers: int = _doc(
+        "Worker processes that read and pad the shard batches as stored codes (decoded on the training GPU; on a CPU, by the workers); "
+        "0: a thread of the training process.", 2)
     wandb_project: str = _doc("wandb project (logger: wandb); runs offline unless WANDB_API_KEY is set.", "eyas")
 
 
@@ -238,6 +268,10 @@ class EvalConfig:
     top_p: float = _doc("Nucleus sampling, applied to target and draft alike (1: off).", 1.0)
     top_k: int = _doc("Top-k sampling, applied to target and draft alike (0: off).", 0)
     baseline: bool = _doc("Also time the target alone for the speedup column.", True)
+    batch_size: int = _doc(
+        "Prompts decoded at once (chain shapes with truncated, eagle or eagle3 drafts; others one at a time). 1: "
+        "latency figures, one prompt at a time; more: throughput of a prompt set, speedup over the target alone "
+        "batched the same way.", 1)
     checkpoint: str = _doc("Draft checkpoint (empty: the run's best checkpoint).", "")
     drafts: list = _doc(
         "Drafts compared: checkpoint directories, `truncated:N` (the target's first N layers) or `mixture:LAM` "
@@ -249,6 +283,10 @@ class EvalConfig:
         "builtin (eyas's decoder) or vllm: also export each checkpoint and run it in vLLM on the same prompts "
         "(chain shapes, T=0), both decoders' figures side by side.", "builtin"
     )
+    target_dtype: str = _doc(
+        "Precision the target runs in for eval: auto (target.dtype when set, else bf16 where the machine runs it "
+        "natively, fp32 elsewhere), fp32 (as reports before this key) or bf16. Outputs are compared with the same "
+        "target in the same precision.", "auto")
 
 
 @dataclass
@@ -297,6 +335,7 @@ CHOICES = {
     "train.logger": ("none", "wandb", "tensorboard"),
     "export.to": ("sglang", "vllm"),
     "eval.engine": ("builtin", "vllm"),
+    "eval.target_dtype": ("auto", "fp32", "bf16"),
     "export.dtype": ("bfloat16", "float16", "float32"),
 }
 LOSS_NAMES = ("forward_kl", "ce", "tv", "jsd", "lk")
@@ -305,8 +344,8 @@ _POSITIVE = ["train.lr", "train.token_budget", "train.grad_accum", "train.ttt_st
              "train.log_every", "draft.num_steps", "data.max_length", "data.num_proc",
              "data.regenerate_max_new_tokens", "data.regenerate_batch_size", "dump.token_budget",
              "dump.shard_tokens", "dump.topk", "eval.max_new_tokens", "eval.answer_tokens", "data.self_prompt_temperature", "train.epochs",
-             "train.keep_last", "train.eval_batches"]
-_NON_NEGATIVE = ["train.ttt_ramp_steps",
+             "train.keep_last", "train.eval_batches", "eval.batch_size"]
+_NON_NEGATIVE = ["train.ttt_ramp_steps", "train.loader_workers",
                  "train.prefetch", "train.max_steps", "data.max_turns", "train.warmup_steps", "train.weight_decay", "train.max_grad_norm",
                  "train.eval_every", "train.save_every", "train.feature_loss_weight", "data.max_samples", "data.self_prompts",
                  "data.self_prompt_top_k", "data.regenerate_temperature", "dump.draft_vocab_size", "draft.intermediate_size",
@@ -328,8 +367,35 @@ def _suggest(word: str, valid: list[str]) -> str:
     return "valid keys: " + ", ".join(valid)
 
 
+def _not_text(value: Any) -> str | None:
+    """The first string in `value` (or in its nested lists and mappings) that no path, file or tokenizer takes:
+    one holding a NUL or a lone surrogate (YAML's "\\ud800" escape). Recursive YAML (`&a [*a]`) is walked once."""
+    stack, seen = [value], set()
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if "\x00" in item or not _encodes(item):
+                return item
+        elif isinstance(item, (list, dict)) and id(item) not in seen:
+            seen.add(id(item))
+            stack.extend([*item.keys(), *item.values()] if isinstance(item, dict) else item)
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
+    return True
+
+
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
     """Check `value` against a field's type; ints are accepted for floats, nothing else is coerced."""
+    bad = _not_text(value)
+    if bad is not None:
+        raise EyasError(f"recipe key '{key}' holds {bad!r}, with a NUL or a lone surrogate, which no path, file or "
+                        "tokenizer takes; write it as plain UTF-8 text")
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if annotation is list:
@@ -358,7 +424,7 @@ def _build_section(name: str, cls: type, values: Any) -> Any:
     kwargs = {}
     for key, value in values.items():
         if key not in valid:
-            raise EyasError(f"unknown recipe key '{name}.{key}': {_suggest(str(key), valid)}")
+            raise EyasError(f"unknown recipe key {f'{name}.{key}'!r}: {_suggest(str(key), valid)}")
         kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])
     return cls(**kwargs)
 
@@ -397,17 +463,32 @@ def validate(recipe: Recipe) -> Recipe:
         raise EyasError(f"recipe key 'dump.layers' takes 3 layer indices (low, middle, high), got {recipe.dump.layers!r}")
     if not recipe.eval.shapes or not all(isinstance(s, str) for s in recipe.eval.shapes):
         raise EyasError(f"recipe key 'eval.shapes' must be a non-empty list of shape strings, got {recipe.eval.shapes!r}")
+    if not all(isinstance(d, str) and d for d in recipe.eval.drafts):
+        raise EyasError(f"recipe key 'eval.drafts' must be a list of checkpoint folders or draft specs (truncated:N, "
+                        f"mixture:LAM), got {recipe.eval.drafts!r}")
     _check_self_prompts(recipe.data)
-    variants = [key for key in ("eagle3_norm_before_fc", "eagle3_norm_before_residual") if getattr(recipe.draft, key)]
-    if variants and recipe.draft.kind != "eagle3":
-        raise EyasError(f"recipe key 'draft.{variants[0]}' is true, but draft.kind is '{recipe.draft.kind}': it is an "
-                        f"EAGLE-3 layer variant; set draft.kind=eagle3 or draft.{variants[0]}=false")
-    if variants and recipe.export.to == "sglang":  # refused before training, not after it at the export stage
-        raise EyasError(f"recipe key 'draft.{variants[0]}' is true, but export.to is 'sglang', whose EAGLE-3 model has "
-                        f"no such variant; set export.to=vllm (vLLM serves it) or draft.{variants[0]}=false")
-    if not recipe.run.name or "/" in recipe.run.name:
-        raise EyasError(f"recipe key 'run.name' must be a non-empty name without '/', got {recipe.run.name!r}")
+    _check_variants(recipe)
+    if not recipe.run.name or "/" in recipe.run.name or recipe.run.name in (".", ".."):
+        raise EyasError(f"recipe key 'run.name' must be a non-empty name without '/' (not . or ..), got {recipe.run.name!r}")
+    check_mtp_unroll(recipe)  # here, not at train: `eyas prepare` refuses a bad mtp recipe before any work
     return recipe
+
+
+def _check_variants(recipe: Recipe) -> None:
+    """A layer-variant switch (eyas.draft.kinds) is for its own kind, and for the export formats that serve it."""
+    for owner, rules in KIND_RULES.items():
+        for variant in rules.variants:
+            key = variant.recipe_key
+            if not getattr(recipe.draft, key, False):
+                continue
+            if owner != recipe.draft.kind:
+                raise EyasError(f"recipe key 'draft.{key}' is true, but draft.kind is '{recipe.draft.kind}': it is an "
+                                f"{rules.title} layer variant; set draft.kind={owner} or draft.{key}=false")
+            if recipe.export.to not in variant.formats:  # refused before training, not after it at the export stage
+                serves = variant.formats[0]
+                raise EyasError(f"recipe key 'draft.{key}' is true, but export.to is '{recipe.export.to}', whose "
+                                f"{rules.title} model has no such variant; set export.to={serves} ({ENGINES[serves]} "
+                                f"serves it) or draft.{key}=false")
 
 
 def _check_self_prompts(data: DataConfig) -> None:
@@ -432,11 +513,11 @@ def parse_loss_mix(spec: str) -> dict[str, float]:
     for part in spec.split(","):
         name, _, weight = part.strip().partition(":")
         if name not in LOSS_NAMES:
-            raise EyasError(f"recipe key 'train.loss': unknown loss '{name}'; {_suggest(name, list(LOSS_NAMES))}")
+            raise EyasError(f"recipe key 'train.loss': unknown loss {name!r}; {_suggest(name, list(LOSS_NAMES))}")
         try:
             w = float(weight) if weight else 1.0
         except ValueError:
-            raise EyasError(f"recipe key 'train.loss': weight '{weight}' of '{name}' is not a number") from None
+            raise EyasError(f"recipe key 'train.loss': weight {weight!r} of '{name}' is not a number") from None
         if w < 0:
             raise EyasError(f"recipe key 'train.loss': weight of '{name}' must be >= 0, got {w}")
         mix[name] = w
@@ -454,9 +535,12 @@ def from_dict(raw: Any) -> Recipe:
     built = {}
     for name, values in raw.items():
         if name not in sections:
-            raise EyasError(f"unknown recipe section '{name}': {_suggest(str(name), list(sections))}")
+            raise EyasError(f"unknown recipe section {name!r}: {_suggest(str(name), list(sections))}")
         built[name] = _build_section(name, sections[name], values)
-    return validate(Recipe(**built))
+    recipe = Recipe(**built)
+    if kind_rules(recipe.draft.kind).unroll_per_layer and "ttt_steps" not in (raw.get("train") or {}):
+        recipe.train.ttt_steps = recipe.draft.num_steps  # the default unroll of a layer-per-step kind (mtp): one step per layer
+    return validate(recipe)
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
@@ -465,12 +549,12 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     for item in overrides:
         dotted, sep, text = item.partition("=")
         if not sep or dotted.count(".") != 1:
-            raise EyasError(f"override '{item}' must look like section.key=value (for example train.lr=3e-4)")
+            raise EyasError(f"override {item!r} must look like section.key=value (for example train.lr=3e-4)")
         section, key = dotted.split(".")
         try:
             value = _yaml(text) if text != "" else ""
-        except yaml.YAMLError as exc:
-            raise EyasError(f"override '{item}': value is not valid YAML ({exc.problem})") from None
+        except _YAML_FAILURES as exc:
+            raise EyasError(f"override {item!r}: value is not valid YAML ({_yaml_problem(exc)})") from None
         if isinstance(value, str) and _looks_numeric(value):
             value = float(value)  # YAML 1.1 reads "3e-4" as a string; users mean a number
         target = raw.setdefault(section, {})
@@ -497,11 +581,10 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise EyasError(f"recipe file '{path}' does not exist; pass the path of a YAML recipe (see recipes/)")
         try:
             raw = _yaml(_recipe_text(p))
-        except yaml.YAMLError as exc:
+        except _YAML_FAILURES as exc:
             where = getattr(exc, "problem_mark", None)
             at = f" at line {where.line + 1}" if where else ""
-            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-            raise EyasError(f"recipe file '{path}' is not valid YAML{at}: {problem}") from None
+            raise EyasError(f"recipe file '{path}' is not valid YAML{at}: {_yaml_problem(exc)}") from None
         if raw is not None and not isinstance(raw, dict):
             raise EyasError(f"recipe file '{path}' must be a YAML mapping of sections (run:, target:, ...)")
     return from_dict(apply_overrides(raw or {}, overrides or []))
@@ -523,12 +606,45 @@ def _recipe_text(path: Path) -> str:
 
 
 def save_resolved(recipe: Recipe, directory: str | Path, name: str = "recipe.yaml") -> Path:
-    """Write the fully resolved recipe (every key, defaults included) next to a stage's output."""
+    """Write the fully resolved recipe (every key, defaults included) next to a stage's output.
+
+    Its paths are made absolute (`absolute_paths`): a saved copy, passed to a stage from another
+    folder, names the same run directory, target and data as the recipe it was resolved from."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     out = directory / name
-    atomic_write_text(out, yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+    atomic_write_text(out, yaml.safe_dump(absolute_paths(recipe).to_dict(), sort_keys=False))
     return out
+
+
+# Recipe keys that hold paths, each with the words it takes that are not paths (a trailing ':' marks a prefix,
+# as in eval.drafts' `truncated:N`). Paths are read against the working directory, like any command-line path.
+PATH_KEYS: dict[str, tuple[str, ...]] = {
+    "run.output_dir": (), "target.path": ("smollm2-135m-instruct",), "target.chat_template": (),
+    "data.source": ("chitchat", "none"), "data.regenerate_cache": (), "eval.prompts": ("heldout",),
+    "eval.checkpoint": (), "eval.drafts": ("truncated:", "mixture:"), "eval.output": (), "export.checkpoint": (),
+}
+
+
+def absolute_paths(recipe: Recipe) -> Recipe:
+    """The recipe with every relative path made absolute against the working directory (words such as
+    `chitchat` or `heldout`, empty values and home-relative `~/...` paths kept as they are)."""
+    sections: dict[str, Any] = {}
+    for dotted, words in PATH_KEYS.items():
+        section, key = dotted.split(".")
+        values = sections.get(section, getattr(recipe, section))
+        value = getattr(values, key)
+        made = [_absolute(v, words) for v in value] if isinstance(value, list) else _absolute(value, words)
+        sections[section] = dataclasses.replace(values, **{key: made})
+    return dataclasses.replace(recipe, **sections)
+
+
+def _absolute(value: Any, words: tuple[str, ...]) -> Any:
+    if not isinstance(value, str) or not value or value.lower() in words:
+        return value
+    if any(value.startswith(word) for word in words if word.endswith(":")):
+        return value
+    return value if os.path.isabs(os.path.expanduser(value)) else os.path.abspath(value)
 
 
 def default_layers(num_hidden_layers: int) -> list[int]:
@@ -545,17 +661,22 @@ def check_against_target(recipe: Recipe, target_config: Any) -> None:
                 f"recipe key 'dump.layers' has index {idx}, but the target has {depth} layers "
                 f"(HF hidden_states indices 0..{depth}); the default is {default_layers(depth)}"
             )
-    steps, layers = recipe.train.ttt_steps, recipe.draft.num_steps
-    if recipe.draft.kind == "mtp" and steps != layers:
+    check_mtp_unroll(recipe)  # load_recipe refuses it first; a recipe built with dataclasses.replace meets it here
+
+
+def check_mtp_unroll(recipe: Recipe) -> None:
+    """A layer-per-step draft (mtp) unrolls exactly one training step per layer (train.ttt_steps == draft.num_steps)."""
+    steps, layers, kind = recipe.train.ttt_steps, recipe.draft.num_steps, recipe.draft.kind
+    if kind_rules(kind).unroll_per_layer and steps != layers:
         if steps > layers:
             raise EyasError(
-                f"recipe key 'train.ttt_steps' is {steps} but an mtp draft has only "
+                f"recipe key 'train.ttt_steps' is {steps} but an {kind} draft has only "
                 f"draft.num_steps={layers} layers; set train.ttt_steps <= draft.num_steps"
             )
-        # each mtp layer drafts one step and learns only from its own step of the unroll: the layers
+        # each layer drafts one step and learns only from its own step of the unroll: the layers
         # past it would keep their random init, and eval and engines would still draft with them
         raise EyasError(
-            f"recipe key 'train.ttt_steps' is {steps} but the mtp draft has draft.num_steps={layers} layers: "
+            f"recipe key 'train.ttt_steps' is {steps} but the {kind} draft has draft.num_steps={layers} layers: "
             f"layers {steps + 1}-{layers} would get no gradient and draft at their random init; "
             f"set train.ttt_steps={layers} (or draft.num_steps={steps})"
         )

@@ -120,13 +120,28 @@ def stop_token_ids(model: Any, tokenizer: Any = None) -> list[int]:
 
 def left_padded(tokenizer: Any, texts: list[str], device: Any) -> dict:
     """A batch of texts tokenised with padding on the left (what a decode loop continues), without
-    changing the tokenizer's own padding side."""
-    side = tokenizer.padding_side
+    changing the tokenizer's padding side or pad token. A tokenizer without a pad token (SmolLM2's
+    own, loaded plainly) pads with its EOS: the attention mask hides pad positions, so their id is
+    never read."""
+    side, pad = tokenizer.padding_side, tokenizer.pad_token
     tokenizer.padding_side = "left"
+    if pad is None:
+        tokenizer.pad_token = tokenizer.eos_token
     try:
         return tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt").to(device)
     finally:
         tokenizer.padding_side = side
+        if pad is None:
+            tokenizer.pad_token = None
+
+
+def left_padded_ids(rows: list[list[int]], device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id rows of different lengths -> (input_ids, attention_mask) [rows, longest], padded on the
+    left (what `plain_decode` continues); a pad takes the row's first id, which the mask hides."""
+    width = max(len(row) for row in rows)
+    ids = torch.tensor([[row[0]] * (width - len(row)) + list(row) for row in rows], dtype=torch.long, device=device)
+    mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows], dtype=torch.long, device=device)
+    return ids, mask
 
 
 def cache_kwarg(model: Any) -> str:

@@ -75,6 +75,16 @@ def atomic_write_json(path: Path | str, data: Any, sort_keys: bool = False) -> N
     atomic_write_text(path, json.dumps(data, indent=2, sort_keys=sort_keys, default=str) + "\n")
 
 
+def json_problem(exc: BaseException, where: bool = True) -> str:
+    """One line for what json.loads refused: (where and) why, an int past int()'s digit limit, or nesting
+    deeper than Python's stack (RecursionError)."""
+    if isinstance(exc, json.JSONDecodeError):
+        return f"line {exc.lineno}: {exc.msg}" if where else exc.msg
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    return " ".join(str(exc).split(";")[0].split())  # "Exceeds the limit (4300 digits) for integer string conversion..."
+
+
 def sha256_file(path: Path | str, chunk: int = 1 << 24) -> str:
     """The file's SHA-256, read in 16 MiB blocks."""
     digest = hashlib.sha256()

@@ -13,17 +13,19 @@ bar; the run ends with the acceptance table and the paths of the plot, the repor
 exported draft, and adds the wall time of each stage to `<run_dir>/quickstart.json` (the
 latest run at the top, earlier runs under `history`).
 
-Rerunning resumes: the quickstart is a loop over the stages, and each one decides through
-`eyas.stages` (the same check `eyas prepare` etc. make) whether its output is current for the
-recipe; a current stage is skipped, a changed setting reruns it and says which. The target is
-loaded only when a stage that runs needs it. The dump redoes only missing shards, training
-resumes from its newest checkpoint.
+Rerunning resumes: the quickstart is a loop over the stages, the target and then the pipeline
+stages of the command table (`eyas.pipeline`) in its order, each run by one short step of `STEPS`.
+Each stage decides through `eyas.stages` (the same check `eyas prepare` etc. make) whether its
+output is current for the recipe; a current stage is skipped, a changed setting reruns it and
+says which. The target is loaded only when a stage that runs needs it. The dump redoes only
+missing shards, training resumes from its newest checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import shutil
 import sys
@@ -31,16 +33,20 @@ import time
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from eyas import stages
 from eyas.cli import quiet_thread_waits, run_recipe_path, stage_main
 from eyas.config import Recipe, save_resolved
 from eyas.errors import EyasError
+from eyas.pipeline import PIPELINE
 
 RECIPE_NAME = "quickstart.yaml"
-STAGES = ("target", "prepare", "dump", "train", "eval", "export")
+# What the quickstart runs, in order: the target's files, then the command table's pipeline stages.
+STAGES: tuple[str, ...] = ("target", *PIPELINE)
 SUMMARY = "quickstart.json"
+
+Say = Callable[[str], None]  # prints one line under the stage's header
 
 
 def packaged_recipe() -> Path:
@@ -94,7 +100,7 @@ class Progress:
         self.started = time.perf_counter()
         self.started_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
-    def stage(self, index: int, name: str, what: str, body: Callable[[Callable[[str], None]], tuple[bool, Any]]) -> Any:
+    def stage(self, index: int, name: str, what: str, body: Callable[[Say], tuple[bool, Any]]) -> Any:
         """Run one stage; `body(say)` returns (ran, result) and prints its verdict through `say`."""
         tag = f"[{index}/{len(STAGES)}] {name}"
         print(f"\n{tag}: {what}", flush=True)
@@ -129,114 +135,200 @@ class Progress:
         return path
 
 
-def run(recipe: Recipe, export_to: str | None = None, force: bool = False) -> dict:
-    """Run (or resume) every stage for `recipe`; returns the summary written to quickstart.json."""
+@dataclasses.dataclass
+class Session:
+    """What the quickstart's steps share: the recipe, the target (loaded on first use) and what earlier steps found."""
+
+    recipe: Recipe
+    force: bool
+    target: Target
+    checkpoint: Path | None = None  # the draft eval and export read, found once training is over
+    report: dict | None = None  # eval's report.json
+
+    def output(self, stage: str) -> Path:
+        """The stage's output folder (the command table's `output` column)."""
+        return stages.output_dir(stage, self.recipe)
+
+    def run_stage(self, stage: str, body: Callable[[], Any], say: Say, **record: Any) -> tuple[bool, Any]:
+        """`body` through the stage's record check, as `eyas <stage>` runs it (`record`: inputs, files, finished)."""
+        return stages.run(stage, self.recipe, body, force=self.force, say=say, **record)
+
+    def draft(self) -> Path:
+        """The checkpoint eval and export read: eval.checkpoint, else training's best; frees the target once found."""
+        if self.checkpoint is None:
+            # each stage's code is imported when that stage runs (`eyas quickstart --help` stays quick)
+            from eyas.train.checkpoint import best_checkpoint
+
+            run_dir = self.recipe.run_dir
+            found = Path(self.recipe.eval.checkpoint) if self.recipe.eval.checkpoint else best_checkpoint(run_dir)
+            if found is None:
+                raise EyasError(f"training left no checkpoint in '{run_dir / 'checkpoints'}'; rerun `eyas quickstart` "
+                                "to resume it")
+            self.target.release()  # eval loads the target its own way; free this copy
+            self.checkpoint = found
+        return self.checkpoint
+
+
+def _target_header(session: Session) -> str:
     # torch and transformers load only when a stage needs the target
-    from eyas.targets import cache_dir, resolve_target_path
+    from eyas.targets import cache_dir
 
-    if export_to:
-        recipe = dataclasses.replace(recipe, export=dataclasses.replace(recipe.export, to=export_to))
-    run_dir = recipe.run_dir
-    progress = Progress(run_dir)
-    target = Target(recipe)
+    path = session.recipe.target.path
+    converted = cache_dir() / "targets" / "smollm2-135m-instruct" / "config.json"
+    first_use = path.lower() == "smollm2-135m-instruct" and not converted.is_file()
+    return path + (" (first use: converting its GGUF file to safetensors once)" if first_use else "")
 
-    def target_stage(say: Callable[[str], None]) -> tuple[bool, Any]:
-        folder = resolve_target_path(recipe.target.path)
-        say(f"files in {folder} (loaded when a stage needs them)")
-        return True, folder
 
-    note = ""
-    if recipe.target.path.lower() == "smollm2-135m-instruct" and \
-            not (cache_dir() / "targets" / "smollm2-135m-instruct" / "config.json").is_file():
-        note = " (first use: converting its GGUF file to safetensors once)"
-    progress.stage(1, "target", f"{recipe.target.path}{note}", target_stage)
+def _target_step(session: Session, say: Say) -> tuple[bool, Any]:
+    # torch and transformers load only when a stage needs the target
+    from eyas.targets import resolve_target_path
 
-    def prepare_stage(say: Callable[[str], None]) -> tuple[bool, Any]:
-        # each stage's code is imported when that stage runs (`eyas quickstart --help` stays quick)
-        from eyas.data.prepare import _report, prepare
+    folder = resolve_target_path(session.recipe.target.path)
+    say(f"files in {folder} (loaded when a stage needs them)")
+    return True, folder
 
-        def body() -> None:
-            # Regeneration loads the target itself (in data.regenerate_dtype); the tokenizer is shared.
-            _report(prepare(recipe, tokenizer=target.tokenizer()), run_dir / "prepared")
 
-        return stages.run("prepare", recipe, body, force=force, say=say)
+def _prepare_header(session: Session) -> str:
+    return f"{session.recipe.data.source} conversations -> {session.output('prepare')}"
 
-    progress.stage(2, "prepare", f"{recipe.data.source} conversations -> {run_dir / 'prepared'}", prepare_stage)
 
-    def dump_stage(say: Callable[[str], None]) -> tuple[bool, Any]:
-        # each stage's code is imported when that stage runs (`eyas quickstart --help` stays quick)
-        from eyas.data.dump import _report, dump
+def _prepare(session: Session) -> None:
+    # each stage's code is imported when that stage runs (`eyas quickstart --help` stays quick)
+    from eyas.data.prepare import _report, prepare
 
-        def body() -> None:
-            _report(dump(recipe, model=target.model(), tokenizer=target.tokenizer()), run_dir / "shards")
+    # Regeneration loads the target itself (in data.regenerate_dtype); the tokenizer is shared.
+    _report(prepare(session.recipe, tokenizer=session.target.tokenizer()), session.output("prepare"))
 
-        return stages.run("dump", recipe, body, force=force, say=say)
 
-    progress.stage(3, "dump", f"target features -> {run_dir / 'shards'} ({recipe.dump.encoding})", dump_stage)
+def _prepare_step(session: Session, say: Say) -> tuple[bool, Any]:
+    return session.run_stage("prepare", lambda: _prepare(session), say)
 
-    def train_stage(say: Callable[[str], None]) -> tuple[bool, Any]:
-        # each stage's code is imported when that stage runs (`eyas quickstart --help` stays quick)
-        from eyas.train.loop import train
 
-        def body() -> dict:
-            # Shards: the trainer reads only the target's embeddings and head from its files.
-            model = target.model() if recipe.train.source == "online" else target.loaded
-            result = train(recipe, target_model=model)
-            print(f"eyas train: {result['outcome']} at step {result['step']}; best {result['best']}")
-            return result
+def _dump_header(session: Session) -> str:
+    return f"target features -> {session.output('dump')} ({session.recipe.dump.encoding})"
 
-        return stages.run("train", recipe, body, force=force, say=say, files=lambda r: [r["checkpoint"]],
-                          finished=lambda r: r["outcome"] == "done")
 
-    progress.stage(4, "train", f"{recipe.draft.kind} head -> {run_dir / 'checkpoints'} "
-                   "(resumes from the newest checkpoint)", train_stage)
+def _dump(session: Session) -> None:
+    # each stage's code is imported when that stage runs (`eyas quickstart --help` stays quick)
+    from eyas.data.dump import _report, dump
+
+    target = session.target
+    _report(dump(session.recipe, model=target.model(), tokenizer=target.tokenizer()), session.output("dump"))
+
+
+def _dump_step(session: Session, say: Say) -> tuple[bool, Any]:
+    return session.run_stage("dump", lambda: _dump(session), say)
+
+
+def _train_header(session: Session) -> str:
+    return f"{session.recipe.draft.kind} head -> {session.output('train')} (resumes from the newest checkpoint)"
+
+
+def _train(session: Session) -> dict:
+    # each stage's code is imported when that stage runs (`eyas quickstart --help` stays quick)
+    from eyas.train.loop import train
+
+    # Shards: the trainer reads only the target's embeddings and head from its files.
+    model = session.target.model() if session.recipe.train.source == "online" else session.target.loaded
+    result = train(session.recipe, target_model=model)
+    print(f"eyas train: {result['outcome']} at step {result['step']}; best {result['best']}")
+    return result
+
+
+def _train_step(session: Session, say: Say) -> tuple[bool, Any]:
+    # a run stopped before its last step (preempted) writes no record
+    return session.run_stage("train", lambda: _train(session), say, files=lambda r: [r["checkpoint"]],
+                             finished=lambda r: r["outcome"] == "done")
+
+
+def _eval_header(session: Session) -> str:
+    # the precision eval runs the target in: the faster one on this machine (eyas.precision.eval_dtype)
+    from eyas.precision import eval_dtype
+    from eyas.targets import pick_device  # with eval_dtype: only the eval part needs them
+
+    recipe = session.recipe
+    checkpoint = session.draft()
+    dtype = eval_dtype(recipe.eval.target_dtype, recipe.target.dtype, pick_device(recipe.target.device))
+    return (f"speculative decoding with {checkpoint} on {recipe.eval.max_prompts} prompts, "
+            f"target in {dtype} (eval.target_dtype={recipe.eval.target_dtype})")
+
+
+def _eval_step(session: Session, say: Say) -> tuple[bool, Any]:
+    from rich.console import Console
 
     # each stage's code is imported when that stage runs (`eyas quickstart --help` stays quick)
-    from eyas.train.checkpoint import best_checkpoint
+    from eyas.eval.cli import run as run_eval
 
-    checkpoint = Path(recipe.eval.checkpoint) if recipe.eval.checkpoint else best_checkpoint(run_dir)
-    if checkpoint is None:
-        raise EyasError(f"training left no checkpoint in '{run_dir / 'checkpoints'}'; rerun `eyas quickstart` "
-                        "to resume it")
-    target.release()  # eval loads the target its own way; free this copy
+    # The table is printed once, at the end of the run.
+    outcome = session.run_stage("eval", lambda: run_eval(session.recipe, console=Console(quiet=True)), say,
+                                inputs=[session.draft()])
+    session.report = json.loads((session.output("eval") / "report.json").read_text())
+    return outcome
 
-    def eval_stage(say: Callable[[str], None]) -> tuple[bool, Any]:
-        from rich.console import Console
 
-        # each stage's code is imported when that stage runs (`eyas quickstart --help` stays quick)
-        from eyas.eval.cli import run as run_eval
+def _export_header(session: Session) -> str:
+    return f"{session.recipe.export.to} format -> {session.output('export')}"
 
-        # The table is printed once, at the end of the run.
-        return stages.run("eval", recipe, lambda: run_eval(recipe, console=Console(quiet=True)), force=force,
-                          say=say, inputs=[checkpoint])
 
-    progress.stage(5, "eval", f"speculative decoding with {checkpoint} on {recipe.eval.max_prompts} prompts",
-                   eval_stage)
-    report = json.loads((stages.STAGES["eval"].output(recipe) / "report.json").read_text())
+def _export(session: Session) -> Path:
+    # each stage's code is imported when that stage runs (`eyas quickstart --help` stays quick)
+    from eyas.train.export import MARKER, export_draft
 
-    fmt = recipe.export.to
-    out = stages.STAGES["export"].output(recipe)
+    recipe = session.recipe
+    path = export_draft(session.draft(), recipe.export.to, session.output("export"), recipe.export.dtype,
+                        recipe.export.num_speculative_tokens or recipe.train.ttt_steps, recipe.target.path)
+    marker = json.loads((path / MARKER).read_text())
+    print(f"eyas export: {marker['architecture']} in {path}")
+    return path
 
-    def export_stage(say: Callable[[str], None]) -> tuple[bool, Any]:
-        # each stage's code is imported when that stage runs (`eyas quickstart --help` stays quick)
-        from eyas.train.export import MARKER, export_draft
 
-        def body() -> Path:
-            path = export_draft(checkpoint, fmt, out, recipe.export.dtype,
-                                recipe.export.num_speculative_tokens or recipe.train.ttt_steps, recipe.target.path)
-            marker = json.loads((path / MARKER).read_text())
-            print(f"eyas export: {marker['architecture']} in {path}")
-            return path
+def _export_step(session: Session, say: Say) -> tuple[bool, Any]:
+    return session.run_stage("export", lambda: _export(session), say, inputs=[session.draft()])
 
-        return stages.run("export", recipe, body, force=force, say=say, inputs=[checkpoint])
 
-    progress.stage(6, "export", f"{fmt} format -> {out}", export_stage)
-    serve = _serve_command(out)
+class Step(NamedTuple):
+    """How the quickstart runs one stage: the line under its header, and the step (returns (ran, result))."""
 
-    files = {"report": report["files"]["json"], "plot": report["files"]["plot"], "export": str(out),
-             "checkpoint": str(checkpoint), "recipe": str(run_recipe_path(recipe))}
-    summary_path = progress.write({"files": files, "recipe": recipe.to_dict()})
-    _finish(report, files, progress, summary_path, serve)
+    header: Callable[[Session], str]
+    run: Callable[[Session, Say], tuple[bool, Any]]
+
+
+# One step per stage of STAGES; a pipeline stage added to the command table needs its step here.
+STEPS: dict[str, Step] = {
+    "target": Step(_target_header, _target_step),
+    "prepare": Step(_prepare_header, _prepare_step),
+    "dump": Step(_dump_header, _dump_step),
+    "train": Step(_train_header, _train_step),
+    "eval": Step(_eval_header, _eval_step),
+    "export": Step(_export_header, _export_step),
+}
+
+
+def run_steps(session: Session, progress: Progress) -> None:
+    """Every stage of STAGES in order, each under its numbered header."""
+    for index, name in enumerate(STAGES, start=1):
+        step = STEPS[name]
+        progress.stage(index, name, step.header(session), functools.partial(step.run, session))
+
+
+def run(recipe: Recipe, export_to: str | None = None, force: bool = False) -> dict:
+    """Run (or resume) every stage for `recipe`; returns the summary written to quickstart.json."""
+    if export_to:
+        recipe = dataclasses.replace(recipe, export=dataclasses.replace(recipe.export, to=export_to))
+    session = Session(recipe, force, Target(recipe))
+    progress = Progress(recipe.run_dir)
+    run_steps(session, progress)
+    return _summarise(session, progress)
+
+
+def _summarise(session: Session, progress: Progress) -> dict:
+    """Write quickstart.json, print the acceptance table and the paths; returns the summary."""
+    assert session.report is not None  # the eval step read it
+    out = session.output("export")
+    files = {"report": session.report["files"]["json"], "plot": session.report["files"]["plot"], "export": str(out),
+             "checkpoint": str(session.draft()), "recipe": str(run_recipe_path(session.recipe))}
+    summary_path = progress.write({"files": files, "recipe": session.recipe.to_dict()})
+    _finish(session.report, files, progress, summary_path, _serve_command(out))
     return json.loads(summary_path.read_text())
 
 
@@ -269,7 +361,7 @@ def _finish(report: dict, files: dict, progress: Progress, summary_path: Path, s
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eyas quickstart",
-                                     description="the whole pipeline (prepare, dump, train, eval, export) on the "
+                                     description=f"the whole pipeline ({', '.join(PIPELINE)}) on the "
                                                  "embedded default target, on a CPU")
     parser.add_argument("recipe", nargs="?", default=None,
                         help=f"recipe YAML (default: the packaged {RECIPE_NAME})")

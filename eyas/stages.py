@@ -15,6 +15,9 @@ Inputs chain through the records: dump's record holds prepare's digest, train's 
 (or prepare's when training online), so a redone prepare makes the dump behind it stale.
 Eval and export fingerprint the checkpoints they read (size and mtime of the weights), which
 covers a draft retrained in place.
+
+Which sections, upstream stages, output folder and finished-files each stage has is a column of
+the command table, `eyas.pipeline`; this module only keeps and compares the records.
 """
 
 from __future__ import annotations
@@ -31,21 +34,10 @@ from typing import Any
 from eyas.config import Recipe
 from eyas.errors import EyasError
 from eyas.io import atomic_write_json
+from eyas.pipeline import STAGES, Command
 
 RECORD = "stage.json"
 RECORD_VERSION = 1
-
-
-@dataclass(frozen=True)
-class Stage:
-    """What one stage's output depends on and where it lies."""
-
-    name: str
-    sections: tuple[str, ...]  # recipe sections (`data`) or single keys (`draft.kind`)
-    output: Callable[[Recipe], Path]
-    upstream: Callable[[Recipe], tuple[str, ...]] = lambda recipe: ()
-    # Files (relative to the output) that exist once the stage has finished; `files=` at write time adds more.
-    done_files: tuple[str, ...] = ()
 
 
 def _source_paths(recipe: Recipe) -> list[str]:
@@ -58,32 +50,23 @@ def _source_paths(recipe: Recipe) -> list[str]:
     return paths
 
 
-STAGES: dict[str, Stage] = {
-    "prepare": Stage("prepare", ("target", "data", "run.seed"), lambda r: r.run_dir / "prepared",
-                     done_files=("info.json", "train/dataset_info.json", "heldout/dataset_info.json")),
-    "dump": Stage("dump", ("target", "dump", "draft.kind"), lambda r: r.run_dir / "shards",
-                  upstream=lambda r: ("prepare",), done_files=("manifest.json", "heldout/manifest.json")),
-    "train": Stage("train", ("target", "draft", "train"), lambda r: r.run_dir / "checkpoints",
-                   upstream=lambda r: ("prepare",) if r.train.source == "online" else ("dump",)),
-    "eval": Stage("eval", ("target", "eval", "run.seed"),
-                  lambda r: Path(r.eval.output) if r.eval.output else r.run_dir / "eval",
-                  upstream=lambda r: ("prepare",) if r.eval.prompts == "heldout" else (),
-                  done_files=("report.json", "acceptance.png")),
-    "export": Stage("export", ("export", "target.path", "train.ttt_steps"),
-                    lambda r: r.run_dir / "export" / r.export.to, done_files=("eyas_export.json",)),
-}
-
-
 @dataclass(frozen=True)
 class Verdict:
     current: bool
     reason: str  # why it must run ("" for a first run), or what was found current
 
 
-def _stage(name: str) -> Stage:
+def _stage(name: str) -> Command:
     if name not in STAGES:
         raise EyasError(f"unknown stage '{name}'; stages: {', '.join(STAGES)}")
     return STAGES[name]
+
+
+def output_dir(name: str, recipe: Recipe) -> Path:
+    """The folder the stage writes its output (and its record) to."""
+    output = _stage(name).output
+    assert output is not None  # STAGES holds the pipeline stages only, each with an output
+    return output(recipe)
 
 
 def _value(recipe_dict: dict, dotted: str) -> Any:
@@ -117,7 +100,7 @@ def fingerprint(paths: Iterable[str | Path]) -> list:
 
 
 def record_path(name: str, recipe: Recipe) -> Path:
-    return _stage(name).output(recipe) / RECORD
+    return output_dir(name, recipe) / RECORD
 
 
 def read_record(name: str, recipe: Recipe) -> dict | None:
@@ -166,7 +149,7 @@ def _changes(saved: dict, current: dict) -> list[str]:
 def check(name: str, recipe: Recipe, inputs: Iterable[str | Path] = ()) -> Verdict:
     """Whether the stage's output is current for this recipe; if not, why it must run."""
     stage = _stage(name)
-    out = stage.output(recipe)
+    out = output_dir(name, recipe)
     record = read_record(name, recipe)
     if record is None:
         if any((out / f).exists() for f in stage.done_files) or (out / RECORD).exists():
@@ -193,7 +176,7 @@ def write_record(name: str, recipe: Recipe, inputs: Iterable[str | Path] = (),
                  files: Iterable[str | Path] = ()) -> Path:
     """Record that the stage finished for this recipe (`files`: more output files that must stay)."""
     stage = _stage(name)
-    out = stage.output(recipe)
+    out = output_dir(name, recipe)
     listed = list(stage.done_files)
     for f in files:
         path = Path(f)
@@ -232,7 +215,7 @@ def run(name: str, recipe: Recipe, body: Callable[[], Any], *, force: bool = Fal
     if _rank_zero() and stale.is_file():
         stale.unlink()  # an interrupted rerun must not leave the old record vouching for a half-written output
     result = body()
-    out = _stage(name).output(recipe)
+    out = output_dir(name, recipe)
     done = all((out / f).exists() for f in _stage(name).done_files)
     if _rank_zero() and done and finished(result):
         write_record(name, recipe, inputs, files(result) if files else ())

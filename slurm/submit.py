@@ -11,8 +11,9 @@ Stages and the jobs each submits (`--stage all` chains them with `--dependency=a
   job that writes the manifest and the draft vocabulary. Needs `prepare` done first: submit
   `--stage prepare,dump` or `all`, or run `eyas prepare` beforehand.
 - `train`: `--nodes` nodes, one launcher per node (`torchrun`, or `accelerate launch` with
-  `--launcher accelerate`), `--procs-per-node` processes each (default: the GPUs per node, 1 on
-  CPU nodes); requeued after a USR1 checkpoint (time limit or preemption), appending its log.
+  `--launcher accelerate`, each run by `eyas launch`), `--procs-per-node` processes each (default:
+  the GPUs per node, 1 on CPU nodes); requeued after a USR1 checkpoint (time limit), appending its
+  log; a scancel or a preemption (SIGTERM) checkpoints and exits 0.
 - `eval`: one task; `eyas eval`.  `export`: one CPU task; `eyas export` in the recipe's format.
 
 Everything is written under `<run_dir>/slurm/`: the resolved recipe the jobs read
@@ -37,8 +38,8 @@ from pathlib import Path
 from eyas.cli import stage_main, stage_parser
 from eyas.config import Recipe, save_resolved
 from eyas.errors import EyasError
+from eyas.pipeline import PIPELINE, STAGES
 
-ORDER = ("prepare", "dump", "train", "eval", "export")
 PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
 
 
@@ -64,22 +65,22 @@ def render(text: str, values: dict) -> str:
 def parse_stages(spec: str, recipe: Recipe) -> list[str]:
     """`all`, one stage, or a comma list; returned in pipeline order. `all` skips dump for online training."""
     if spec == "all":
-        stages = list(ORDER)
+        stages = list(PIPELINE)
         if recipe.train.source == "online":
             stages.remove("dump")
         return stages
     wanted = [s.strip() for s in spec.split(",") if s.strip()]
     for stage in wanted:
-        if stage not in ORDER:
-            raise EyasError(f"--stage '{stage}' is not a stage; choose from: {', '.join(ORDER)}, all (or a comma list)")
-    return [s for s in ORDER if s in wanted]
+        if stage not in PIPELINE:
+            raise EyasError(f"--stage '{stage}' is not a stage; choose from: {', '.join(PIPELINE)}, all (or a comma list)")
+    return [s for s in PIPELINE if s in wanted]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = stage_parser("eyas submit", "render the SLURM templates for a recipe's stages and submit them",
                           force=False)
     parser.add_argument("--stage", default="all",
-                        help="prepare, dump, train, eval, export, a comma list, or all (chained with afterok)")
+                        help=f"{', '.join(PIPELINE)}, a comma list, or all (chained with afterok)")
     parser.add_argument("--nodes", type=int, default=1, help="training nodes (one launcher per node)")
     parser.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (0: CPU nodes, gloo backend)")
     parser.add_argument("--procs-per-node", type=int, default=0,
@@ -134,13 +135,12 @@ class Plan:
         """CPUs per task: --cpus-per-task if given, else 8 per GPU the task holds, else one per process."""
         if self.cpus_per_task:
             return self.cpus_per_task
-        if stage == "train":
-            return 8 * self.gpus_per_node if self.gpus_per_node else self.procs_per_node
-        if stage == "export":
-            return 1
-        if stage == "prepare":
+        if stage == "prepare":  # its tokenizer workers; 8 while it regenerates replies on GPU nodes
             return max(recipe.data.num_proc, 8 if self.gpus_per_node and recipe.data.regenerate else 1)
-        return 8 if self.gpus_per_node else 1
+        gpus = STAGES[stage].slurm_gpus(recipe)
+        if gpus == "node":
+            return 8 * self.gpus_per_node if self.gpus_per_node else self.procs_per_node
+        return 8 if gpus == "one" and self.gpus_per_node else 1
 
 
 def _sbatch_lines(args: argparse.Namespace, gpus: str) -> str:
@@ -165,11 +165,11 @@ def launch_args(args: argparse.Namespace, plan: Plan, recipe_path: Path) -> tupl
     """(launcher flag that takes the node rank, the rest of the launcher's arguments), shell-quoted."""
     py = "-m eyas.train"
     if args.launcher == "torchrun":
-        launcher = "-m torch.distributed.run --node-rank"
+        launcher = "-m eyas.cli launch torchrun --node-rank"
         rest = ["--nnodes", str(plan.nodes), "--nproc-per-node", str(plan.procs_per_node),
                 "--master-addr", "${MASTER_ADDR}", "--master-port", "${MASTER_PORT}"]
     else:
-        launcher = "-m accelerate.commands.launch --machine_rank"
+        launcher = "-m eyas.cli launch accelerate launch --machine_rank"
         rest = []
         if args.accelerate_config:
             config = Path(args.accelerate_config).resolve()
@@ -217,16 +217,15 @@ def gpu_request(stage: str, plan: Plan, recipe: Recipe) -> str:
     """The GPU option for a stage's job ('' on CPU nodes or for CPU-only stages)."""
     if plan.gpus_per_node == 0:
         return ""
-    if stage == "train":
+    gpus = STAGES[stage].slurm_gpus(recipe)
+    if gpus == "node":
         return f"--gpus-per-node={plan.gpus_per_node}"
-    regenerates_here = recipe.data.regenerate and not recipe.data.regenerate_endpoint
-    if stage in ("dump", "eval") or (stage == "prepare" and regenerates_here):
-        return "--gpus=1"
-    return ""
+    return "--gpus=1" if gpus == "one" else ""
 
 
 def template_names(stage: str) -> list[str]:
-    return ["dump", "dump_finalize"] if stage == "dump" else [stage]
+    """The stage's `slurm/<name>.sbatch` jobs, in the order they are chained."""
+    return list(STAGES[stage].slurm_jobs)
 
 
 def write_resolved_recipe(recipe: Recipe, slurm_dir: Path) -> Path:

@@ -13,6 +13,9 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Checkpoints are signed with a per-user key (eyas.train.trust); tests, and the processes they
+# launch, use a key of their own instead of creating or reading the user's.
+os.environ.setdefault("EYAS_CHECKPOINT_KEY_FILE", os.path.join(os.environ.get("TMPDIR", "/tmp"), f"eyas-test-key-{os.getpid()}"))
 
 from fixtures import build_tiny_target  # noqa: E402
 

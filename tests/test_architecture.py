@@ -2,8 +2,8 @@
 
 Data flows one way: `eyas.data` -> `eyas.train` -> `eyas.eval`. A stage may import the shared
 modules in `eyas/` and the stages before it, never a later one. The shared modules import no
-stage at all, except the front door (`eyas.cli`, `eyas.quickstart`, `eyas.stages`), which runs
-the stages. An `eyas.*` import inside a function needs a one-line reason on the line above
+stage at all, except the front door (`eyas.cli`, `eyas.quickstart`, `eyas.stages`, `eyas.plan`), which
+runs or plans the stages. An `eyas.*` import inside a function needs a one-line reason on the line above
 or beside it (a comment), so every file's header says what it depends on.
 """
 
@@ -20,7 +20,7 @@ from eyas.draft.registry import KINDS, head_class
 ROOT = Path(__file__).resolve().parents[1]
 STAGE_DIRS = {"data": "eyas.data", "train": "eyas.train", "eval": "eyas.eval", "slurm": "eyas.slurm"}
 ORDER = {"eyas.data": 0, "eyas.train": 1, "eyas.eval": 2}
-FRONT_DOOR = {"eyas.cli", "eyas.quickstart", "eyas.stages", "eyas.__main__"}
+FRONT_DOOR = {"eyas.cli", "eyas.quickstart", "eyas.stages", "eyas.plan", "eyas.__main__"}
 
 
 def _modules() -> list[tuple[str, Path]]:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from eyas.data.shards import TokenBudgetLoader
+from eyas.train.loader import TokenBudgetLoader
 from eyas.train.ttt import step_counts
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -9,8 +10,10 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+from eyas.cli import stage_main
 from eyas.config import (
     Recipe,
+    absolute_paths,
     apply_overrides,
     check_against_target,
     default_layers,
@@ -31,7 +34,7 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_defaults_and_values(tmp_path):
-    r = load_recipe(write(tmp_path, "run: {name: r1}\ntrain: {lr: 3.0e-4, ttt_steps: 5}\ndraft: {kind: mtp}\n"))
+    r = load_recipe(write(tmp_path, "run: {name: r1}\ntrain: {lr: 3.0e-4, ttt_steps: 5}\ndraft: {kind: mtp, num_steps: 5}\n"))
     assert r.run.name == "r1" and r.train.lr == 3e-4 and r.train.ttt_steps == 5 and r.draft.kind == "mtp"
     assert r.train.ttt_decay == 0.8 and r.target.path == "smollm2-135m-instruct"  # defaults kept
     assert r.run_dir == Path("runs") / "r1"
@@ -71,6 +74,7 @@ def test_override_into_absent_section():
     ("train: [1, 2]\n", [], "section 'train' must be a mapping"),
     ("", ["trainlr=1"], "must look like section.key=value"),
     ("run: {name: a/b}\n", [], "'run.name' must be a non-empty name"),
+    ("run: {name: '..'}\n", [], "'run.name' must be a non-empty name"),  # runs/.. is not a run directory
 ])
 def test_errors_name_the_key(tmp_path, text, overrides, fragment):
     with pytest.raises(EyasError) as err:
@@ -97,19 +101,34 @@ def test_layer_index_past_target_depth():
     assert default_layers(30) == [2, 15, 27]
 
 
-def test_mtp_ttt_longer_than_its_layers_is_refused():
-    r = load_recipe(None, ["draft.kind=mtp", "draft.num_steps=3", "train.ttt_steps=5"])
-    with pytest.raises(EyasError, match="train.ttt_steps <= draft.num_steps"):
-        check_against_target(r, SimpleNamespace(num_hidden_layers=6))
+def test_mtp_unroll_follows_its_layers_unless_given():
+    """mtp's train.ttt_steps defaults to draft.num_steps (one step per layer), from a file and from overrides."""
+    assert load_recipe(None, ["draft.kind=mtp", "draft.num_steps=3"]).train.ttt_steps == 3
+    assert load_recipe(None, ["draft.kind=mtp", "draft.num_steps=6"]).train.ttt_steps == 6
+    assert load_recipe(None, ["draft.kind=eagle3", "draft.num_steps=3"]).train.ttt_steps == Recipe().train.ttt_steps
+    assert load_recipe(None, ["draft.kind=mtp", "draft.num_steps=4", "train.ttt_steps=4"]).train.ttt_steps == 4
+
+
+def test_mtp_ttt_longer_than_its_layers_is_refused_at_load(tmp_path):
+    """Refused when the recipe is loaded (what `eyas prepare` does first), in one line naming both keys."""
+    with pytest.raises(EyasError, match="train.ttt_steps <= draft.num_steps") as err:
+        load_recipe(write(tmp_path, f"run: {{output_dir: '{tmp_path / 'runs'}'}}\ndraft: {{kind: mtp, num_steps: 3}}\n"
+                                    "train: {ttt_steps: 5}\n"))
+    assert "\n" not in str(err.value) and "'train.ttt_steps' is 5" in str(err.value)
+    assert stage_main("prepare", [str(tmp_path / "recipe.yaml")], lambda r, a: pytest.fail("prepare ran")) == 2
+    assert not (tmp_path / "runs").exists()  # nothing written, not even the run's recipe.yaml
 
 
 def test_mtp_layers_past_the_unroll_are_refused():
-    """A 5-layer mtp draft unrolled 3 deep would serve layers 4-5 untrained."""
-    r = load_recipe(None, ["draft.kind=mtp", "draft.num_steps=5", "train.ttt_steps=3"])
+    """A 5-layer mtp draft unrolled 3 deep would serve layers 4-5 untrained: refused at load, and by
+    check_against_target for a recipe changed after loading."""
     with pytest.raises(EyasError, match=r"layers 4-5 would get no gradient.*train.ttt_steps=5"):
-        check_against_target(r, SimpleNamespace(num_hidden_layers=6))
-    check_against_target(load_recipe(None, ["draft.kind=mtp", "draft.num_steps=5", "train.ttt_steps=5"]),
-                         SimpleNamespace(num_hidden_layers=6))
+        load_recipe(None, ["draft.kind=mtp", "draft.num_steps=5", "train.ttt_steps=3"])
+    r = load_recipe(None, ["draft.kind=mtp", "draft.num_steps=5", "train.ttt_steps=5"])
+    check_against_target(r, SimpleNamespace(num_hidden_layers=6))
+    changed = dataclasses.replace(r, train=dataclasses.replace(r.train, ttt_steps=3))
+    with pytest.raises(EyasError, match="layers 4-5 would get no gradient"):
+        check_against_target(changed, SimpleNamespace(num_hidden_layers=6))
 
 
 def test_loss_mix():
@@ -123,7 +142,7 @@ def test_resolved_recipe_round_trips(tmp_path):
     r = load_recipe(None, ["train.lr=2e-4", "run.name=x"])
     out = save_resolved(r, tmp_path / "run")
     again = load_recipe(out)
-    assert again == r
+    assert again == absolute_paths(r) and again.run.output_dir == str(Path.cwd() / "runs")
     assert set(yaml.safe_load(out.read_text())) == {"run", "target", "data", "dump", "draft", "train", "eval", "export"}
 
 
@@ -142,3 +161,35 @@ def test_docs_key_reference_is_current():
     assert documented == keys, (f"docs/recipes.md lacks {sorted(keys - documented)}, "
                                 f"documents unknown {sorted(documented - keys)}")
     assert table == reference_markdown(), "regenerate the docs/recipes.md table with eyas.config.reference_markdown()"
+
+
+def test_saved_recipe_names_the_same_files_from_another_folder(tmp_path, monkeypatch):
+    """A run's recipe with relative paths, saved by a stage as <run_dir>/recipe.yaml, then passed to a stage
+    from another working directory: the same run directory, target, data, template and prompt files."""
+    project, elsewhere = tmp_path.resolve() / "project", tmp_path.resolve() / "elsewhere"  # getcwd() is resolved
+    for folder in (project / "models" / "tiny", project / "data", elsewhere):
+        folder.mkdir(parents=True)
+    for name in ("data/rows.jsonl", "data/template.jinja", "data/prompts.jsonl"):
+        (project / name).write_text("{}\n")
+    (project / "recipe.yaml").write_text(
+        "run: {name: rel, output_dir: runs}\ntarget: {path: models/tiny, chat_template: data/template.jinja}\n"
+        "data: {source: data/rows.jsonl}\neval: {prompts: data/prompts.jsonl, drafts: [ckpt/a, 'truncated:2']}\n")
+    monkeypatch.chdir(project)
+    seen = []
+    assert stage_main("prepare", ["recipe.yaml"], lambda recipe, args: seen.append(recipe)) == 0
+    original = seen[0]
+    assert original.run.output_dir == "runs"  # the loaded recipe keeps what the user wrote
+
+    monkeypatch.chdir(elsewhere)
+    saved = load_recipe(project / "runs" / "rel" / "recipe.yaml")
+    assert saved.run_dir == project / "runs" / "rel"
+    assert Path(saved.target.path) == project / "models" / "tiny" and Path(saved.target.path).is_dir()
+    assert Path(saved.data.source) == project / "data" / "rows.jsonl" and Path(saved.data.source).is_file()
+    assert Path(saved.target.chat_template) == project / "data" / "template.jinja"
+    assert Path(saved.eval.prompts) == project / "data" / "prompts.jsonl"
+    assert saved.eval.drafts == [str(project / "ckpt" / "a"), "truncated:2"]
+    # words that are not paths stay words; saving the saved copy again changes nothing
+    assert load_recipe(None, ["data.source=chitchat", "eval.prompts=heldout"]).data.source == "chitchat"
+    kept = absolute_paths(load_recipe(None, ["data.source=chitchat", "eval.prompts=heldout", "target.path=~/m"]))
+    assert (kept.data.source, kept.eval.prompts, kept.target.path, kept.eval.output) == ("chitchat", "heldout", "~/m", "")
+    assert load_recipe(save_resolved(saved, tmp_path / "again")) == saved

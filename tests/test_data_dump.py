@@ -148,16 +148,17 @@ def test_killed_dump_resumes_to_identical_shards(workspace, monkeypatch):
     full = _run(workspace, "uninterrupted")
     dump(full)
     resumed = _run(workspace, "resumed")
-    real_write = dump_module.write_shard
+    real_finish = dump_module.ShardWriter.finish
     written = []
 
-    def write_then_die(*args, **kwargs):
+    def finish_then_die(writer):
         if len(written) == 2:
+            writer.abort()
             raise KeyboardInterrupt("simulated kill")
-        written.append(real_write(*args, **kwargs))
+        written.append(real_finish(writer))
         return written[-1]
 
-    monkeypatch.setattr(dump_module, "write_shard", write_then_die)
+    monkeypatch.setattr(dump_module.ShardWriter, "finish", finish_then_die)
     with pytest.raises(KeyboardInterrupt):
         dump(resumed)
     monkeypatch.undo()
@@ -195,18 +196,25 @@ def test_sigkilled_dump_resumes_to_identical_shards(workspace):
     assert verify(shard_dir) == []
 
 
-def test_corrupt_and_truncated_shards_are_caught_and_repaired(workspace, capsys):
+def _copy_with_a_flipped_byte(workspace, name: str):
+    """Run `name` holding a copy of the uninterrupted dump with one byte of shard 1 flipped (same size,
+    different bytes: only a checksum sees it) -> (recipe, shard dir, the intact files, the flipped file)."""
     recipe = _run(workspace, "uninterrupted")
     if not (recipe.run_dir / "shards" / "manifest.json").exists():
         dump(recipe)
-    damaged = _run(workspace, "damaged")
-    shutil.copytree(recipe.run_dir / "shards", damaged.run_dir / "shards", dirs_exist_ok=True)
-    shard_dir = damaged.run_dir / "shards"
+    copy = _run(workspace, name)
+    shutil.copytree(recipe.run_dir / "shards", copy.run_dir / "shards", dirs_exist_ok=True)
+    shard_dir = copy.run_dir / "shards"
     original = _files(shard_dir)
     flipped = shard_dir / "shard-00001.safetensors"
     data = bytearray(flipped.read_bytes())
-    data[-10] ^= 0xFF  # same size, different bytes: only the checksum sees it
+    data[-10] ^= 0xFF
     flipped.write_bytes(bytes(data))
+    return copy, shard_dir, original, flipped
+
+
+def test_corrupt_and_truncated_shards_are_caught_and_repaired(workspace, capsys):
+    damaged, shard_dir, original, flipped = _copy_with_a_flipped_byte(workspace, "damaged")
     assert verify(shard_dir) == [f"{flipped}: checksum mismatch (corrupt)"]
     truncated = shard_dir / "shard-00003.safetensors"
     truncated.write_bytes(truncated.read_bytes()[:100])
@@ -216,11 +224,139 @@ def test_corrupt_and_truncated_shards_are_caught_and_repaired(workspace, capsys)
     with pytest.raises(EyasError, match="2 shard file.*shard-00003.safetensors' is truncated.*shard-00004.safetensors' is missing"):
         ShardReader(shard_dir)
     capsys.readouterr()
-    dump(damaged)
+    dump(damaged, reverify=True)  # a same-size flip is seen only by hashing: a plain rerun trusts finished shards
     out = capsys.readouterr().out
     assert "redoing" in out and "shard-00001" in out and "shard-00003" in out
     assert "shard-00000" not in out  # intact shards are kept
     assert _files(shard_dir) == original and verify(shard_dir) == []
+
+
+def test_rerun_trusts_finished_shards_and_reverify_rehashes(workspace, capsys, monkeypatch):
+    """A rerun hashes no finished shard (sidecar, size and header only); the reader still stops at the
+    corrupt sample; `eyas dump --reverify` hashes them all and redoes the corrupt one."""
+    from eyas.cli import main
+    from eyas.data import shards as shards_module
+
+    trusting, shard_dir, original, flipped = _copy_with_a_flipped_byte(workspace, "trusting")
+    hashed = []
+    real_sha256 = shards_module.sha256_file
+    monkeypatch.setattr(shards_module, "sha256_file", lambda path: hashed.append(Path(path).name) or real_sha256(path))
+    capsys.readouterr()
+    dump(trusting)
+    assert "redoing" not in capsys.readouterr().out and hashed == []
+    assert _files(shard_dir)["shard-00001.safetensors"] != original["shard-00001.safetensors"]
+    reader = ShardReader(shard_dir)
+    with pytest.raises(EyasError, match="shard-00001.safetensors' is corrupt: sample .* does not match its checksum"):
+        for i in range(len(reader)):
+            reader.sample(i)
+    recipe_file = workspace["root"] / "trusting.yaml"
+    recipe_file.write_text(json.dumps(trusting.to_dict()))
+    assert main(["dump", str(recipe_file), "--reverify"]) == 0
+    out = capsys.readouterr().out
+    assert "redoing" in out and "shard-00001" in out and "checksum mismatch" in out and "shard-00000" not in out
+    shards = {r["file"] for r in json.loads((shard_dir / "manifest.json").read_text())["shards"]}
+    assert len(shards) > 4 and shards <= set(hashed)  # every finished shard hashed
+    assert _files(shard_dir) == original and verify(shard_dir) == []
+
+
+def test_sidecar_that_disagrees_with_the_manifest_is_hashed(workspace):
+    """A shard rewritten after the manifest (its sidecar's sha256 differs from the manifest's) is checked in full."""
+    from eyas.data.shards import check_shard
+
+    recipe = _run(workspace, "uninterrupted")
+    if not (recipe.run_dir / "shards" / "manifest.json").exists():
+        dump(recipe)
+    shard_dir = workspace["root"] / "sidecar-check"
+    shutil.copytree(recipe.run_dir / "shards", shard_dir)
+    manifest = json.loads((shard_dir / "manifest.json").read_text())
+    plan = manifest["plan"]
+    sidecar = shard_dir / "shard-00002.json"
+    record = json.loads(sidecar.read_text())
+    sidecar.write_text(json.dumps(dict(record, sha256="0" * 64)))  # same size, another recorded checksum
+    assert check_shard(shard_dir, 2, full=False, expect_plan=plan) == ""  # nothing to compare with: trusted
+    assert check_shard(shard_dir, 2, full=False, expect_plan=plan, recorded=manifest["shards"][2]) == "checksum mismatch (corrupt)"
+    sidecar.write_text(json.dumps(record))
+    assert check_shard(shard_dir, 2, full=False, expect_plan=plan, recorded=manifest["shards"][2]) == ""
+    sidecar.write_text("{}")
+    assert check_shard(shard_dir, 2, full=False, expect_plan=plan) == "a damaged sidecar"
+
+
+def test_streamed_shards_equal_the_whole_shard_writer(workspace, tmp_path):
+    """Every shard of a real dump equals, byte for byte, what `write_shard` makes of the same tensors
+    (the in-memory writer the dump used before it streamed), and so does its sidecar."""
+    from safetensors import safe_open
+
+    from eyas.data.shards import CHECKSUM, write_shard
+
+    recipe = _run(workspace, "compact-stream", "dump.low_layer_encoding=int4", "dump.teacher=topk", "dump.topk=8")
+    manifest = dump(recipe)
+    shard_dir = recipe.run_dir / "shards"
+    assert len(manifest["shards"]) > 2
+    for k, record in enumerate(manifest["shards"]):
+        with safe_open(str(shard_dir / record["file"]), "pt") as f:
+            tensors = {name: f.get_tensor(name) for name in f.keys() if name != CHECKSUM}
+            metadata = json.loads(f.metadata()["eyas"])
+        assert metadata["shard"] == k
+        assert write_shard(tmp_path, k, tensors, metadata) == record
+        assert (tmp_path / record["file"]).read_bytes() == (shard_dir / record["file"]).read_bytes()
+        assert (tmp_path / f"shard-{k:05d}.json").read_bytes() == (shard_dir / f"shard-{k:05d}.json").read_bytes()
+
+
+@pytest.mark.parametrize("encodings", [("bf16", "fp16", "bf16"), ("fp8", "int8", "int4")])
+def test_shard_writer_in_batches_is_byte_identical(tmp_path, encodings):
+    """Rows handed over in uneven batches (one sample, several, the rest) make `write_shard`'s bytes."""
+    import numpy as np
+
+    from eyas.data.shards import ShardWriter, write_shard
+
+    torch.manual_seed(0)
+    lengths = np.array([9, 7, 7, 4, 2, 1, 1])
+    tokens = int(lengths.sum())
+    x = torch.randn(tokens, 64) * 3
+    rows = {"input_ids": torch.randint(0, 70000, (tokens,), dtype=torch.int32),
+            "loss_mask": (torch.rand(tokens) > 0.4).to(torch.uint8),
+            "topk_values": torch.randn(tokens, 4).half(), "topk_ids": torch.randint(0, 70000, (tokens, 4), dtype=torch.int32)}
+    for j, encoding in enumerate(encodings):
+        rows.update({f"aux_hidden.{j}{suffix}": t for suffix, t in encode(x * (j + 1), encoding).items()})
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    sample_index = np.array([40, 3, 17, 0, 8, 99, 5])
+    metadata = {"schema_version": 1, "plan": "p", "shard": 4}
+    whole = dict(rows, offsets=torch.from_numpy(offsets).long(), sample_index=torch.from_numpy(sample_index))
+    (tmp_path / "whole").mkdir()
+    expected = write_shard(tmp_path / "whole", 4, whole, metadata)
+    writer = ShardWriter(tmp_path, 4, lengths, sample_index, metadata)
+    for a, b in ((0, 1), (1, 4), (4, 7)):
+        writer.write({name: t[offsets[a]:offsets[b]] for name, t in rows.items()}, b - a)
+    assert writer.finish() == expected
+    assert (tmp_path / "shard-00004.safetensors").read_bytes() == (tmp_path / "whole" / "shard-00004.safetensors").read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard-00004.json", "shard-00004.safetensors", "whole"]
+
+
+def test_shard_writer_full_disk_leaves_nothing(tmp_path, monkeypatch):
+    """A failed write names the file, and leaves neither a temporary file nor a sidecar claiming the shard."""
+    import errno
+
+    import numpy as np
+
+    from eyas.data import shards as shards_module
+    from eyas.data.shards import ShardWriter
+
+    def no_space(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    writer = ShardWriter(tmp_path, 7, np.array([3]), np.array([0]), {})
+    rows = {"input_ids": torch.zeros(3, dtype=torch.int32), "loss_mask": torch.ones(3, dtype=torch.uint8)}
+    writer.write(rows, 1)
+    monkeypatch.setattr(shards_module.os, "fsync", no_space)
+    with pytest.raises(EyasError, match=r"cannot write '.*shard-00007.safetensors': No space left on device"):
+        writer.finish()
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    writer = ShardWriter(tmp_path, 7, np.array([3]), np.array([0]), {})
+    monkeypatch.setattr(shards_module.os, "pwrite", no_space)
+    with pytest.raises(EyasError, match=r"cannot write '.*shard-00007.safetensors': No space left on device"):
+        writer.write(rows, 1)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_other_target_refused_and_changed_settings_refused(workspace, tiny_qwen2_dir):
@@ -308,3 +444,106 @@ def test_encode_decode_bounds_random():
         assert bool(((decode(parts[""], parts[".scale"], encoding) - x).abs() <= bound).all())
     parts = encode(x, "bf16")
     assert torch.equal(decode(parts[""], None, "bf16"), x.to(torch.bfloat16).float())
+
+
+# One `eyas dump` in a fresh process; prints the peak RSS of the dump (VmHWM, reset once the target
+# is loaded: ru_maxrss would include the parent's RSS at fork and the loading) and its largest
+# shard. "whole" swaps in the writer the dump used before it streamed (every batch kept,
+# concatenated at the end of the shard, serialised by `write_shard` while the next shard runs), so
+# the test shows that the measurement sees a shard held in memory.
+_PEAK_RSS_CHILD = """
+import json, sys
+import numpy as np, torch
+from eyas.config import load_recipe
+from eyas.data import dump as dump_module
+from eyas.data.shards import write_shard
+from eyas.targets import load_target
+
+class WholeShardWriter:
+    def __init__(self, directory, index, lengths, sample_index, metadata):
+        self.where, self.lengths, self.sample_index, self.parts = (directory, index, metadata), lengths, sample_index, {}
+    def write(self, rows, samples):
+        for name, t in rows.items():
+            self.parts.setdefault(name, []).append(t)
+    def finish(self):
+        tensors = {name: torch.cat(parts) for name, parts in self.parts.items()}
+        tensors["offsets"] = torch.from_numpy(np.concatenate([[0], np.cumsum(self.lengths)])).long()
+        tensors["sample_index"] = torch.from_numpy(np.asarray(self.sample_index, dtype=np.int64))
+        directory, index, metadata = self.where
+        return write_shard(directory, index, tensors, metadata)
+    def abort(self):
+        pass
+
+def status(field):
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith(field + ":")).split()[1]) * 1024
+
+if sys.argv[2] == "whole":
+    dump_module.ShardWriter = WholeShardWriter
+recipe = load_recipe(sys.argv[1])
+model, tokenizer = load_target(recipe.target)
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+start = status("VmRSS")
+manifest = dump_module.dump(recipe, model=model, tokenizer=tokenizer)
+print(json.dumps({"peak_rss": status("VmHWM"), "start_rss": start, "largest_shard": max(r["bytes"] for r in manifest["shards"])}))
+"""
+
+
+def _wide_recipe(root: Path, name: str, *extra: str):
+    return load_recipe(None, [
+        f"target.path={root / 'target'}", f"data.source={root / 'rows.jsonl'}", f"run.output_dir={root}", f"run.name={name}",
+        "data.max_length=128", "data.overflow=truncate", "data.heldout_fraction=0.0", "dump.layers=[0, 1, 1]",
+        "dump.encoding=bf16", "dump.token_budget=2048", "dump.draft_vocab_size=64", *extra,
+    ])
+
+
+@pytest.fixture(scope="module")
+def wide_workspace(tmp_path_factory):
+    """A one-layer target of hidden size 1024 (8 KB of bf16 features per token, little compute) and
+    256 samples of exactly 128 tokens: 32,768 tokens, 16 samples to a 2,048-token batch."""
+    import random
+
+    from fixtures import build_tiny_target
+
+    root = tmp_path_factory.mktemp("dump-memory")
+    build_tiny_target(root / "target", "llama", hidden_size=1024, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=8)
+    rng = random.Random(0)
+    words = "the hawk flies over a mountain river while quick brown foxes sleep in sunny parks".split()
+    rows = [{"messages": [{"role": "user", "content": "Tell me a story."},
+                          {"role": "assistant", "content": " ".join(rng.choice(words) for _ in range(200))}]}
+            for _ in range(256)]
+    (root / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    recipe = _wide_recipe(root, "prepared")
+    prepare(recipe)
+    assert sorted({len(x) for x in load_prepared(recipe.run_dir, "train")["input_ids"]}) == [128]
+    return root
+
+
+def _peak_rss(root: Path, writer: str, shard_tokens: int) -> dict:
+    recipe = _wide_recipe(root, f"{writer}-{shard_tokens}", f"dump.shard_tokens={shard_tokens}")
+    shutil.copytree(root / "prepared" / "prepared", recipe.run_dir / "prepared")
+    recipe_file = root / f"{writer}-{shard_tokens}.yaml"
+    recipe_file.write_text(json.dumps(recipe.to_dict()))
+    # glibc hands blocks over 64 KB straight back to the OS when they are freed, so the peak counts
+    # live memory rather than what the allocator keeps for reuse (which varies by tens of MB per run).
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    result = subprocess.run([sys.executable, "-c", _PEAK_RSS_CHILD, str(recipe_file), writer], capture_output=True,
+                            text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_peak_host_memory_does_not_grow_with_the_shard(wide_workspace):
+    """A whole dump's peak RSS, in fresh processes: shards of 4,096 and of 32,768 tokens (8x: 268 MB)
+    need the same host memory (each batch goes to the file as it comes); the whole-shard writer the
+    dump used before needs several shards' worth more at 32,768, so the measurement would see it."""
+    small = _peak_rss(wide_workspace, "stream", 4096)
+    large = _peak_rss(wide_workspace, "stream", 32768)
+    whole = _peak_rss(wide_workspace, "whole", 32768)
+    shard = large["largest_shard"]
+    assert shard > 7.9 * small["largest_shard"] and shard > 250e6
+    assert small["peak_rss"] - small["start_rss"] > 16e6  # the dump's own peak: at least its 2,048-token batch
+    assert large["peak_rss"] - small["peak_rss"] < 0.1 * shard, (small, large)
+    assert whole["peak_rss"] - large["peak_rss"] > 1.5 * shard, (large, whole)

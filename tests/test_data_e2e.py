@@ -9,8 +9,9 @@ import torch
 
 from eyas.cli import main as eyas_main
 from eyas.data.prepare import load_prepared
-from eyas.data.shards import ShardReader, TokenBudgetLoader, verify
+from eyas.data.shards import ShardReader, verify
 from eyas.data.vocab import load_vocab
+from eyas.train.loader import TokenBudgetLoader
 
 
 @pytest.mark.slow

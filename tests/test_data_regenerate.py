@@ -72,6 +72,20 @@ def test_finished_rows_leave_the_batch_without_changing_the_others(tiny_llama_di
     assert hf_generator(model, tok, max_new_tokens=12, temperature=0.0, seed=0)(prompts) == expected
 
 
+def test_a_tokenizer_without_a_pad_token_generates_the_same_replies(tiny_llama_dir):
+    """SmolLM2's tokenizer, loaded plainly, has no pad token: batches pad with EOS under the mask,
+    the replies equal those of the same tokenizer with a pad token, and the tokenizer is left as it was."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    with_pad, without_pad = AutoTokenizer.from_pretrained(tiny_llama_dir), AutoTokenizer.from_pretrained(tiny_llama_dir)
+    without_pad.pad_token = None
+    prompts = [[{"role": "user", "content": text}] for text in ("Hello, how are you doing today?", "hi")]
+    expected = hf_generator(model, with_pad, max_new_tokens=8, temperature=0.0, seed=0)(prompts)
+    assert hf_generator(model, without_pad, max_new_tokens=8, temperature=0.0, seed=0)(prompts) == expected
+    assert without_pad.pad_token is None and without_pad.padding_side == with_pad.padding_side
+
+
 def test_max_turns_cuts_conversations_and_prompt_only_rows_get_a_reply():
     from eyas.data.sources import first_turns
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from itertools import islice
+
 import numpy as np
 import pytest
 import torch
 
 from eyas.data.dump import finalize_split
-from eyas.data.shards import SCHEMA_VERSION, ShardReader, TokenBudgetLoader, budget_batches, encode, write_shard
+from eyas.data.shards import SCHEMA_VERSION, ShardReader, budget_batches, encode, write_shard
 from eyas.errors import EyasError
+from eyas.train.loader import TokenBudgetLoader
 
 HIDDEN = 8
 
@@ -128,6 +131,40 @@ def test_resume_continues_exactly(dump_dir):
     other = TokenBudgetLoader(reader, token_budget=999, seed=9, rank=1, world_size=2)
     with pytest.raises(EyasError, match="token_budget"):
         other.load_state_dict(state)
+
+
+def _steps(reader, world: int, accum: int, state: dict | None = None, epoch: int = 1) -> list[list[int]]:
+    """The samples of each optimizer step of the epoch: every rank's micro-batches, pooled and sorted."""
+    loaders = [TokenBudgetLoader(reader, token_budget=120, seed=9, rank=r, world_size=world, grad_accum=accum)
+               for r in range(world)]
+    for loader in loaders:
+        if state is not None:
+            loader.load_state_dict(state)
+        loader.set_epoch(epoch)
+    per_rank = [[_ids(b) for b in loader] for loader in loaders]
+    micro = [list(zip(*[iter(batches)] * accum)) for batches in per_rank]  # each rank's batches, a step at a time
+    return [sorted(i for rank in step for batch in rank for i in batch) for step in zip(*micro)]
+
+
+@pytest.mark.parametrize("saved, resumed", [((2, 1), (1, 2)), ((1, 2), (2, 1)), ((2, 2), (4, 1)), ((4, 1), (1, 4))])
+def test_resume_on_another_number_of_processes_takes_the_same_samples_per_step(dump_dir, saved, resumed):
+    """A step's global batch is the same samples for any split of the group (processes x micro-batches),
+    and a position saved by N processes continues on M: no sample skipped or seen twice in the epoch."""
+    reader = ShardReader(dump_dir[0])
+    (n, accum_n), (m, accum_m) = saved, resumed
+    whole = _steps(reader, n, accum_n)
+    assert whole == _steps(reader, m, accum_m) and len(whole) >= 3
+    first = TokenBudgetLoader(reader, token_budget=120, seed=9, rank=n - 1, world_size=n, grad_accum=accum_n)
+    first.set_epoch(1)
+    list(islice(first, 2 * accum_n))  # two optimizer steps of the last rank
+    assert whole[:2] + _steps(reader, m, accum_m, state=first.state_dict()) == whole
+
+
+def test_resume_on_another_group_size_is_refused(dump_dir):
+    reader = ShardReader(dump_dir[0])
+    state = TokenBudgetLoader(reader, token_budget=120, seed=9, world_size=1).state_dict()
+    with pytest.raises(EyasError, match="group_size=1"):
+        TokenBudgetLoader(reader, token_budget=120, seed=9, rank=0, world_size=2).load_state_dict(state)
 
 
 def test_budget_batches_longest_first():

@@ -18,8 +18,9 @@ import torch
 from eyas.config import load_recipe
 from eyas.data.dump import dump
 from eyas.data.prepare import prepare
-from eyas.data.shards import CHECKSUM, ShardReader, TokenBudgetLoader, read_header, verify
+from eyas.data.shards import CHECKSUM, ShardReader, read_header, verify
 from eyas.errors import EyasError
+from eyas.train.loader import TokenBudgetLoader
 
 ROWS = 40
 
@@ -153,7 +154,8 @@ def test_foreign_shard_of_a_same_shape_target_is_refused_at_open_and_redone_by_d
 def test_trainer_batches_stop_with_the_error(dumps):
     """The trainer's own path (open_shards + BatchStream): the error arrives instead of the batch."""
     from eyas.targets import load_target_config, load_tokenizer, target_identity
-    from eyas.train.data import BatchStream, open_shards
+    from eyas.train.data import open_shards
+    from eyas.train.loader import BatchStream
 
     recipe = _copy(dumps, "stream")
     shard = recipe.run_dir / "shards" / "shard-00000.safetensors"

@@ -45,7 +45,7 @@ def _directives(text: str) -> dict:
 
 PYTHON_STUB = """#!{python}
 # Stands in for the interpreter the scripts run: records argv and environment, and for a training
-# process waits for USR1 the way the trainer's handler does (checkpoint, then exit 0).
+# process waits for USR1 or SIGTERM the way the trainer's handler does (checkpoint, then exit 0).
 import json, os, signal, sys, time
 log = os.environ["STUB_LOG"]
 keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES",
@@ -55,14 +55,15 @@ with open(log, "a") as f:
                         "env": {{k: os.environ.get(k) for k in keys}}}}) + "\\n")
 if os.environ.get("STUB_WAIT_USR1"):
     got = []
-    signal.signal(signal.SIGUSR1, lambda *a: got.append(1))
+    signal.signal(signal.SIGUSR1, lambda *a: got.append("USR1"))
+    signal.signal(signal.SIGTERM, lambda *a: got.append("TERM"))
     with open(os.environ["STUB_PIDFILE"], "w") as f:
         f.write(str(os.getpid()))
     deadline = time.monotonic() + 60
     while not got and time.monotonic() < deadline:
         time.sleep(0.05)
     with open(log, "a") as f:
-        f.write(json.dumps({{"cmd": "python", "usr1": bool(got)}}) + "\\n")
+        f.write(json.dumps({{"cmd": "python", "stopped_by": got[0] if got else None}}) + "\\n")
 """
 
 SHELL_STUBS = {
@@ -163,7 +164,7 @@ def test_train_script_cpu_launcher(recipe_file, tmp_path, stubs, capsys):
     assert calls[0]["argv"] == "show hostnames node[1-2]"
     python = calls[2]
     port = str(20000 + 1234 % 20000)
-    assert python["argv"] == ["-m", "torch.distributed.run", "--node-rank=0", "--nnodes", "1",
+    assert python["argv"] == ["-m", "eyas.cli", "launch", "torchrun", "--node-rank=0", "--nnodes", "1",
                               "--nproc-per-node", "2", "--master-addr", "node1", "--master-port", port,
                               "-m", "eyas.train", str(_slurm_dir(tmp_path) / "recipe.yaml")]
     env = python["env"]
@@ -171,8 +172,9 @@ def test_train_script_cpu_launcher(recipe_file, tmp_path, stubs, capsys):
     assert (env["MASTER_ADDR"], env["MASTER_PORT"], env["OMP_NUM_THREADS"]) == ("node1", port, "1")
 
 
-def test_usr1_checkpoints_through_the_launcher_then_requeues(recipe_file, tmp_path, stubs, capsys):
-    import signal
+def _start_train_script(recipe_file, tmp_path, stubs, capsys):
+    """The rendered train script running in the background, once its (stub) launcher has started:
+    (the script's process, the launcher's pid file)."""
     import time
 
     rc, _ = _dry(recipe_file, "--stage", "train", "--procs-per-node", "2", capsys=capsys)
@@ -183,14 +185,36 @@ def test_usr1_checkpoints_through_the_launcher_then_requeues(recipe_file, tmp_pa
     while not pidfile.is_file() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
     assert pidfile.is_file(), proc.communicate()[0]
+    return proc, pidfile
+
+
+def test_usr1_checkpoints_through_the_launcher_then_requeues(recipe_file, tmp_path, stubs, capsys):
+    import signal
+
+    proc, pidfile = _start_train_script(recipe_file, tmp_path, stubs, capsys)
     proc.send_signal(signal.SIGUSR1)  # what `--signal=B:USR1@...` sends to the batch script
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, output
     calls = _calls(stubs)
     assert {"cmd": "scancel", "argv": "--signal=USR1 1234"} in calls  # passed on to the job's steps
-    assert {"cmd": "python", "usr1": True} in calls  # the training process received it
+    assert {"cmd": "python", "stopped_by": "USR1"} in calls  # the training process received it
     assert calls[-1] == {"cmd": "scontrol", "argv": "requeue 1234"}  # and only then the job was requeued
     assert "requeueing job 1234" in output
+
+
+def test_sigterm_waits_for_the_launchers_and_does_not_requeue(recipe_file, tmp_path, stubs, capsys):
+    """scancel or a preemption: SLURM sends SIGTERM to every process of the job, the batch script too."""
+    import signal
+
+    proc, pidfile = _start_train_script(recipe_file, tmp_path, stubs, capsys)
+    proc.send_signal(signal.SIGTERM)
+    os.kill(int(pidfile.read_text()), signal.SIGTERM)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, output  # the script outlived its own SIGTERM and exited with the launcher's 0
+    calls = _calls(tmp_path / "stubs")
+    assert {"cmd": "python", "stopped_by": "TERM"} in calls
+    assert not any(c["cmd"] in ("scontrol", "scancel") and "show" not in c["argv"] for c in calls)  # no requeue
+    assert "SIGTERM received" in output and "launchers exited with status 0" in output
 
 
 def test_gpu_resources_per_stage(recipe_file, tmp_path, stubs, capsys):
@@ -211,7 +235,7 @@ def test_gpu_resources_per_stage(recipe_file, tmp_path, stubs, capsys):
         assert (opts["--partition"], opts["--time"], opts["--qos"]) == ("gpu", "4:00:00", "high"), name
     python = _run(slurm_dir / "train.sbatch", stubs)[-1]
     argv = python["argv"]
-    assert argv[:3] == ["-m", "accelerate.commands.launch", "--machine_rank=0"]
+    assert argv[:6] == ["-m", "eyas.cli", "launch", "accelerate", "launch", "--machine_rank=0"]
     assert argv[argv.index("--num_machines") + 1] == "2" and argv[argv.index("--num_processes") + 1] == "16"
     assert "--cpu" not in argv and python["env"]["CUDA_VISIBLE_DEVICES"] is None
     assert python["env"]["OMP_NUM_THREADS"] == "8"  # 64 CPUs over 8 processes

@@ -120,3 +120,92 @@ def test_record_is_plain_json_beside_the_output(tmp_path):
     record = json.loads((recipe.run_dir / "prepared" / stages.RECORD).read_text())
     assert record["stage"] == "prepare" and record["sections"]["data"]["max_length"] == 2048
     assert set(record["sections"]) == {"target", "data", "run.seed"}
+
+
+# --- the command table (eyas.pipeline) and its four readers ------------------------------------
+
+
+def test_every_command_module_imports_and_has_main():
+    import importlib
+
+    from eyas.pipeline import COMMANDS
+
+    for name, command in COMMANDS.items():
+        module = importlib.import_module(command.module)
+        assert callable(getattr(module, "main", None)), f"{name}: {command.module} has no main(argv)"
+
+
+def test_eyas_help_lists_the_table_and_an_unknown_command_names_it(capsys):
+    from eyas.cli import main
+    from eyas.pipeline import COMMANDS
+
+    assert main(["--help"]) == 0
+    listed = [line.split(None, 1) for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
+    assert listed == [[name, command.help] for name, command in COMMANDS.items()]
+    assert main(["zzzz"]) == 2
+    assert capsys.readouterr().err.strip() == f"eyas: error: unknown command 'zzzz'; commands: {', '.join(COMMANDS)}"
+
+
+def test_pipeline_stages_read_only_earlier_stages_and_write_apart(tmp_path):
+    from eyas.pipeline import COMMANDS, PIPELINE
+
+    assert list(stages.STAGES) == list(PIPELINE) == ["prepare", "dump", "train", "eval", "export"]
+    assert [name for name, command in COMMANDS.items() if command.is_stage] == list(PIPELINE)
+    assert list(COMMANDS)[:len(PIPELINE)] == list(PIPELINE)  # `eyas --help` lists the stages first, in run order
+    for overrides in ((), ("train.source=online", "eval.prompts=heldout")):
+        recipe = _recipe(tmp_path, *overrides)
+        outputs = {stages.output_dir(name, recipe) for name in PIPELINE}
+        assert len(outputs) == len(PIPELINE)  # one folder (and one stage.json) per stage
+        for index, name in enumerate(PIPELINE):
+            assert set(stages.STAGES[name].upstream(recipe)) <= set(PIPELINE[:index]), (name, overrides)
+            assert set(stages.settings(name, recipe)) == set(stages.STAGES[name].sections)
+
+
+def test_slurm_job_order_is_the_table_order(tmp_path, capsys):
+    from eyas.pipeline import PIPELINE, STAGES
+    from eyas.slurm import submit
+
+    jobs = [job for name in PIPELINE for job in STAGES[name].slurm_jobs]
+    assert all(submit.template_text(job) for job in jobs)  # every job has its template in the package
+    argv = [f"run.output_dir={tmp_path}/runs", "run.name=sl", "--stage", "all", "--gpus-per-node", "4", "--dry-run"]
+    assert submit.main(argv) == 0
+    printed = [line.split()[0] for line in capsys.readouterr().out.strip().splitlines()]
+    assert printed == jobs
+    # The GPUs each job holds on GPU nodes are the table's.
+    recipe = _recipe(tmp_path)
+    expected = {"node": "#SBATCH --gpus-per-node=4", "one": "#SBATCH --gpus=1", "none": None}
+    for name in PIPELINE:
+        for job in STAGES[name].slurm_jobs:
+            lines = (tmp_path / "runs" / "sl" / "slurm" / f"{job}.sbatch").read_text().splitlines()
+            gpu_lines = [line for line in lines if line.startswith("#SBATCH --gpus")]
+            want = expected[STAGES[name].slurm_gpus(recipe)]
+            assert gpu_lines == ([want] if want else []), job
+
+
+def test_quickstart_runs_the_table_stages_in_order(tmp_path, monkeypatch, capsys):
+    from eyas import quickstart
+    from eyas.pipeline import PIPELINE
+
+    assert quickstart.STAGES == ("target", *PIPELINE) and tuple(quickstart.STEPS) == quickstart.STAGES
+    ran = []
+
+    def step(name):
+        def run(session, say):
+            ran.append(name)
+            say(f"ran {name}")
+            return name != "dump", None  # a skipped stage is timed and marked as such
+        return quickstart.Step(lambda session: f"about {name}", run)
+
+    monkeypatch.setattr(quickstart, "STEPS", {name: step(name) for name in reversed(quickstart.STAGES)})
+    recipe = _recipe(tmp_path)
+    progress = quickstart.Progress(recipe.run_dir)
+    quickstart.run_steps(quickstart.Session(recipe, False, quickstart.Target(recipe)), progress)
+    assert ran == list(quickstart.STAGES)
+    headers = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    total = len(quickstart.STAGES)
+    assert headers[:3] == [f"[1/{total}] target: about target", f"[1/{total}] target: ran target",
+                           f"[1/{total}] target: done in 0 s"]
+    assert [h.split(":")[0] for h in headers if ": about " in h] == [f"[{i}/{total}] {n}" for i, n in
+                                                                   enumerate(quickstart.STAGES, start=1)]
+    assert list(progress.timings) == list(quickstart.STAGES)
+    assert [n for n, t in progress.timings.items() if t["skipped"]] == ["dump"]

@@ -1,6 +1,7 @@
 """Multi-process training on CPU (slow): 2-process DDP and DeepSpeed ZeRO-3 equal 1 process on the
-same global batch, 2-process DeepSpeed ZeRO-2 trains, and a real SIGTERM checkpoints, exits 0 and
-resumes exactly."""
+same global batch, 2-process DeepSpeed ZeRO-2 trains, a real SIGTERM checkpoints, exits 0 and
+resumes exactly, and a run resumes on another number of processes (DDP and ZeRO-2, 2 -> 1 and
+1 -> 2) continuing the uninterrupted run."""
 
 from __future__ import annotations
 
@@ -150,3 +151,37 @@ def test_sigterm_checkpoints_exits_zero_and_resumes_exactly(workspace):
     wa, wb = _final_weights(reference), _final_weights(run)
     for name in wa:
         assert torch.equal(wa[name], wb[name]), name
+
+
+# ---- resuming on another number of processes ---------------------------------------------------
+
+LAUNCHERS = {
+    "ddp": lambda n: [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n)],
+    "zero2": lambda n: ["accelerate", "launch", "--config_file", str(REPO / "recipes/accelerate/deepspeed_zero2.yaml"),
+                        "--num_processes", str(n)],
+}
+
+
+@pytest.mark.parametrize("backend, first, then", [("ddp", 2, 1), ("ddp", 1, 2), ("zero2", 2, 1), ("zero2", 1, 2)])
+def test_resume_on_another_number_of_processes(workspace, one_process, backend, first, then):
+    """Stopped after step 2 of 4 on `first` processes, resumed on `then`: train.grad_accum is recomputed so
+    every step keeps the global batch of 2 micro-batches, each step takes the same samples (its token
+    count equal to the uninterrupted run's), and loss and weights continue the uninterrupted run's
+    within float summation order (1 process x 2 micro-batches, the `one_process` reference)."""
+    name = f"resize_{backend}_{first}to{then}"
+    run = new_run(workspace, name)
+    accum = ["train.grad_accum=2"] if first == 1 else []
+    _launch(LAUNCHERS[backend](first) + [str(REPO / "tests/train_until.py"), "2", str(workspace["recipe"]),
+                                         f"run.name={name}", *accum], timeout=400)
+    assert [r["step"] for r in _log(run)] == [1, 2]
+    proc = _launch(LAUNCHERS[backend](then) + ["-m", "eyas.train", str(workspace["recipe"]), f"run.name={name}", *accum],
+                   timeout=400)
+    assert f"resuming {first} -> {then} process(es): train.grad_accum {2 // first} -> {2 // then}" in proc.stdout + proc.stderr
+    a, b = _log(one_process), _log(run)
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    assert [r["tokens"] for r in a] == [r["tokens"] for r in b]  # the same samples in every step
+    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-4)
+    wa, wb = _final_weights(one_process), _final_weights(run)
+    for key in wa:
+        torch.testing.assert_close(wa[key], wb[key], rtol=1e-4, atol=1e-5, msg=key)
+    assert not list((run / "checkpoints").glob(".universal-*"))  # the converted DeepSpeed state is gone

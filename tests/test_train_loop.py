@@ -4,6 +4,7 @@ refusals, NaN stop, best/last checkpoints, loggers. Multi-process runs are in te
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 from pathlib import Path
 
@@ -211,6 +212,19 @@ def test_resume_refuses_a_setting_it_cannot_apply(workspace):
         train(_same(workspace, "budget-changed", "train.token_budget=600"))
 
 
+def test_resume_keeps_the_checkpoints_global_batch(workspace, capsys):
+    """A recipe whose train.grad_accum is not the checkpoint's (a run resized earlier, or an edit) resumes
+    with the checkpoint's, says so in one line, and ends bitwise equal to the uninterrupted run."""
+    full = train(_recipe(workspace, "accum-reference"))
+    train(_recipe(workspace, "accum-changed"), stop_at_step=2)
+    resumed = train(_same(workspace, "accum-changed", "train.grad_accum=3"))
+    assert "resuming 1 -> 1 process(es): train.grad_accum 3 -> 1 keeps the checkpoint's global batch" in capsys.readouterr().out
+    assert [r["tokens"] for r in _train_log(workspace["root"] / "accum-changed")] == \
+        [r["tokens"] for r in _train_log(workspace["root"] / "accum-reference")]
+    a, b = _weights(full["checkpoint"]), _weights(resumed["checkpoint"])
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
 def test_steps_redone_after_a_kill_are_logged_once(workspace):
     """metrics.jsonl rows of steps past the last checkpoint (lost in a kill) are dropped on resume."""
     run = workspace["root"] / "redone"
@@ -232,6 +246,24 @@ def test_damaged_random_state_is_refused(workspace):
     rng.write_bytes(bytes(data))
     with pytest.raises(EyasError, match="random state of rank 0 .* damaged"):
         train(_same(workspace, "rng-damaged"))
+
+
+def _random_state(checkpoint: Path) -> dict:
+    # accelerate pickles it; this is the file the test's own run just wrote
+    return torch.load(checkpoint / "state" / "random_states_0.pkl", weights_only=False)
+
+
+def test_resumed_run_ends_with_the_uninterrupted_random_state(workspace):
+    """The loader's workers are seeded from a generator of their own: starting them after a resume
+    must not draw from the global RNG the resume restored (a resumed run was one draw ahead)."""
+    full = train(_recipe(workspace, "rng-whole"))
+    train(_recipe(workspace, "rng-cut"), stop_at_step=3)
+    resumed = train(_same(workspace, "rng-cut"))
+    want, got = _random_state(full["checkpoint"]), _random_state(resumed["checkpoint"])
+    assert want.keys() == got.keys()
+    assert torch.equal(got["torch_manual_seed"], want["torch_manual_seed"])
+    for key in want.keys() - {"torch_manual_seed"}:  # python's and numpy's states, accelerate's counter
+        assert pickle.dumps(got[key]) == pickle.dumps(want[key]), key
 
 
 def test_full_disk_during_a_save_is_one_clear_error(workspace, monkeypatch):

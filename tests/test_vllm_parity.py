@@ -44,19 +44,22 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 PROMPTS = 12          # chitchat openings of the training split, the same for both engines
 NEW_TOKENS = 32
 
+# Regeneration and training in this machine's fast precision (`auto`: bf16 only where it is native). A
+# forced bf16 runs emulated on a CPU without AMX/AVX512-BF16, 2-4.5x slower: that fixture alone then
+# took most of CI's budget. The property under test (eyas and vLLM agree on the same draft) holds either way.
 BASE_RECIPE = {
     "run": {"seed": 0},
     "target": {"path": "smollm2-135m-instruct", "dtype": "float32"},
     "data": {"source": "chitchat", "max_samples": 240, "max_turns": 1, "max_length": 256,
              "heldout_fraction": 0.06, "regenerate": True, "regenerate_max_new_tokens": 64,
-             "regenerate_batch_size": 48, "regenerate_dtype": "bfloat16"},
+             "regenerate_batch_size": 48, "regenerate_dtype": "auto"},
     "dump": {"encoding": "fp8", "token_budget": 4096, "shard_tokens": 16384, "draft_vocab_size": 2048},
-    "train": {"token_budget": 2048, "lr": 1.0e-3, "warmup_steps": 8, "ttt_steps": 3, "mixed_precision": "bf16",
+    "train": {"token_budget": 2048, "lr": 1.0e-3, "warmup_steps": 8, "ttt_steps": 3, "mixed_precision": "auto",
               "eval_every": 0, "save_every": 0, "log_every": 10, "eval_batches": 2},
 }
 KINDS = {"eagle3": {"draft": {"kind": "eagle3"}, "train": {"epochs": 12}},
          # EAGLE-1 predicts over the full 49,152-token vocabulary: each step costs ~4x more.
-         "eagle": {"draft": {"kind": "eagle"}, "train": {"epochs": 2}}}
+         "eagle": {"draft": {"kind": "eagle"}, "train": {"epochs": 4}}}
 # Trained by its own fixture (fp32, K=3 only), on the prepared data and shards of the drafts above.
 VARIANTS = {"eagle3-norms": {"draft": {"kind": "eagle3", "eagle3_norm_before_fc": True,
                                        "eagle3_norm_before_residual": True}, "train": {"epochs": 12},
@@ -247,7 +250,8 @@ def check_parity_row(parity: dict, kind: str, k: int) -> None:
         assert row["eyas"]["matched"] == row["eyas"]["compared"] == parity["prompts"], row
         assert parity["eyas_target_equals_vllm_target"] == parity["prompts"]
     # A trained draft (a random one accepts nothing): every position's count is exercised.
-    # Measured with this recipe (12-epoch eagle3, 2-epoch eagle): cumulative 0.30-0.51 / 0.035-0.21 / 0.004-0.062, 1-11 tokens at depth 3.
+    # Measured with this recipe (12-epoch eagle3, 4-epoch eagle, fp32 on a CPU without native bf16): cumulative
+    # 0.44-0.51 / 0.06-0.17 / 0.015-0.062, 3-11 tokens at depth 3 (the 2-epoch eagle trained in fp32 accepted none there).
     cumulative = row["vllm"]["cumulative"]
     assert cumulative[0] > 0.25 and (k == 1 or cumulative[1] > 0.02), cumulative
     assert all(a >= 1 for a in row["vllm"]["accepted_per_pos"]), row["vllm"]["accepted_per_pos"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from eyas.draft.checkpoint import CONFIG_FILE
@@ -60,8 +61,8 @@ def prune_checkpoints(checkpoints: Path, keep_last: int) -> list[Path]:
     doomed = found[:-keep_last] if keep_last > 0 else found
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
-    for stale in checkpoints.glob("*.partial"):  # leftovers of a run killed while saving
-        shutil.rmtree(stale, ignore_errors=True)
+    for stale in [*checkpoints.glob("*.partial"), *checkpoints.glob(".universal-*")]:  # left by a run killed while
+        shutil.rmtree(stale, ignore_errors=True)                                         # saving or resuming
     return doomed
 
 
@@ -74,3 +75,69 @@ def read_trainer_state(directory: Path) -> dict:
     if not path.is_file():
         raise EyasError(f"'{directory}' is not a training checkpoint (no {TRAINER_FILE})")
     return json.loads(path.read_text())
+
+
+# ---- resuming on another number of processes -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Resize:
+    """A resume whose recipe splits the checkpoint's global batch (processes x micro-batches per step,
+    each of `train.token_budget` tokens) differently: another number of processes, or a recipe
+    `train.grad_accum` that is not the checkpoint's. The global batch is kept; grad_accum is recomputed."""
+
+    checkpoint: Path
+    saved_world: int
+    saved_accum: int
+    world: int
+    recipe_accum: int
+    accum: int
+
+    @property
+    def processes_changed(self) -> bool:
+        return self.world != self.saved_world
+
+    def describe(self) -> str:
+        accum = f"{self.recipe_accum} -> {self.accum}" if self.recipe_accum != self.accum else str(self.accum)
+        return (f"resuming {self.saved_world} -> {self.world} process(es): train.grad_accum {accum} keeps the "
+                f"checkpoint's global batch of {self.saved_world * self.saved_accum} micro-batches "
+                "per step (to change it, start over with train.resume=false)")
+
+
+def plan_resize(checkpoint: Path | None, world: int, accum: int) -> Resize | None:
+    """How a resume from `checkpoint` splits its global batch over `world` processes; None when nothing
+    changes (the checkpoint's process count and grad_accum). Refused when `world` does not divide it."""
+    if checkpoint is None:
+        return None
+    saved = read_trainer_state(checkpoint)
+    saved_world = int(saved["world_size"])
+    saved_accum = int(saved.get("train", {}).get("grad_accum", accum))
+    group = saved_world * saved_accum
+    if world == saved_world and accum == saved_accum:
+        return None
+    if group % world:
+        raise EyasError(f"cannot resume from '{checkpoint}' on {world} process(es): its global batch of {saved_world} "
+                        f"process(es) x {saved_accum} micro-batches does not split evenly over {world}; resume on a "
+                        f"number of processes that divides {group} (set train.grad_accum so that processes x "
+                        "grad_accum is a multiple of every process count a run may get), or set train.resume=false")
+    return Resize(checkpoint, saved_world, saved_accum, world, accum, group // world)
+
+
+def universal_state(state: Path, out: Path) -> Path:
+    """A copy of accelerate's DeepSpeed `state/` folder whose ZeRO checkpoint is in DeepSpeed's universal
+    format, which DeepSpeed loads on any number of processes (`checkpoint.load_universal`); the
+    checkpoint itself is left as it is. The other files (random states) are linked in."""
+    from argparse import Namespace
+
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    for item in state.iterdir():
+        if item.is_dir() and any(item.glob("*optim_states.pt")):  # a DeepSpeed tag folder (accelerate's "pytorch_model")
+            ds_to_universal(Namespace(input_folder=str(item), output_folder=str(out / item.name), num_extract_workers=1,
+                                      num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                      inject_missing_state=True))
+        elif item.is_file():
+            (out / item.name).symlink_to(item.resolve())
+    return out

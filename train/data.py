@@ -1,20 +1,17 @@
-"""What the trainer reads: shards checked against the draft kind, a prefetching batch stream
-that remembers the consumed data position, and the target's embedding / lm_head / norm.
+"""What the trainer reads: shards checked against the draft kind, and the target's embedding /
+lm_head / norm (the batches themselves come from `eyas.train.loader`).
 
 Shards that do not fit the draft (an eagle3 head without the three fused layers, a hidden
 size other than the target's, no teacher) are refused before any training step. Shards are
 verified as `eyas.data.shards.ShardReader` describes: identity, sizes and every shard's header
 (plan fingerprint) at open; offsets at a shard's first read; each sample's checksum at its first
-read, in the prefetch thread, so a corrupt or foreign shard stops the run before the step that
+read, in the loader's workers, so a corrupt or foreign shard stops the run before the step that
 would use it, with the file, what differs and the fix.
 """
 
 from __future__ import annotations
 
 import json
-import queue
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,35 +19,27 @@ import torch
 from safetensors import safe_open
 
 from eyas.data.shards import MANIFEST, ShardReader
+from eyas.draft.features import LAST_HIDDEN
+from eyas.draft.registry import head_class
 from eyas.errors import EyasError
 from eyas.targets import load_target_config, resolve_target_path
 
 
 def check_shards_fit(manifest: dict, kind: str, hidden_size: int, recipe_layers: list[int], where: Path) -> list[int]:
-    """Raise EyasError if the shards cannot train this draft kind; return the fused layers."""
+    """Raise EyasError if the shards cannot train this draft kind; return the fused layers.
+
+    What the kind reads is its feature spec (`eyas.draft.features`), checked against the manifest's
+    `features`; the teacher (the last hidden state or a stored top-k) is every kind's.
+    """
     features = manifest.get("features", {})
     dumped_hidden = int(manifest.get("hidden_size", -1))
     if dumped_hidden != hidden_size:
         raise EyasError(f"the shards in '{where}' hold hidden size {dumped_hidden}, the target has {hidden_size}; "
                         "dump again for this target (`eyas dump RECIPE`)")
-    layers = list(manifest.get("layers") or [])
-    if kind == "eagle3":
-        aux = features.get("aux_hidden")
-        if aux is None or len(aux.get("layers", [])) != 3:
-            raise EyasError(f"draft.kind eagle3 needs the three fused layers (aux_hidden), but the shards in '{where}' "
-                            f"were dumped for draft.kind={manifest.get('draft_kind')!r} without them; "
-                            "dump again with draft.kind=eagle3")
-        if int(aux["shape"][0]) != 3 * hidden_size:
-            raise EyasError(f"the fused layers in '{where}' are {aux['shape'][0]} wide, expected 3 x {hidden_size}")
-        if recipe_layers and list(recipe_layers) != layers:
-            raise EyasError(f"recipe dump.layers is {list(recipe_layers)} but the shards in '{where}' hold layers "
-                            f"{layers}; dump again or set dump.layers={layers}")
-    elif "last_hidden" not in features:
-        raise EyasError(f"draft.kind {kind} reads the target's last hidden state, which the shards in '{where}' do not "
-                        "hold; dump again with this draft kind")
-    if "last_hidden" not in features and "topk_values" not in features:
+    head_class(kind).feature_spec.check(manifest, kind, hidden_size, recipe_layers, where)
+    if LAST_HIDDEN.name not in features and "topk_values" not in features:
         raise EyasError(f"the shards in '{where}' hold no teacher (neither last_hidden nor topk); dump again")
-    return layers
+    return list(manifest.get("layers") or [])
 
 
 def open_shards(run_dir: Path, kind: str, hidden_size: int, recipe_layers: list[int], identity: str) -> dict:
@@ -63,76 +52,6 @@ def open_shards(run_dir: Path, kind: str, hidden_size: int, recipe_layers: list[
         heldout = ShardReader(root / "heldout", expect_identity=identity)
         check_shards_fit(heldout.manifest, kind, hidden_size, recipe_layers, root / "heldout")
     return {"train": reader, "heldout": heldout, "layers": layers, "root": root}
-
-
-class BatchStream:
-    """Endless batches over epochs from a TokenBudgetLoader, read ahead by a thread.
-
-    Yields (batch, position): `position` is the loader state *after* this batch, so a
-    checkpoint taken after consuming it resumes at the next one, whatever the thread has
-    already read ahead. An epoch that yields no batch for this rank is an error (it would
-    loop forever).
-    """
-
-    def __init__(self, loader: Any, prefetch: int = 2) -> None:
-        self.loader = loader
-        self.prefetch = int(prefetch)
-        self._queue: queue.Queue | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._iter: Iterator | None = None
-
-    def _produce(self) -> Iterator[tuple[dict, dict]]:
-        empty_epochs = 0  # one empty pass is normal (resuming at the end of an epoch), two are not
-        while True:
-            produced = 0
-            for batch in self.loader:
-                produced += 1
-                yield batch, self.loader.state_dict()
-            empty_epochs = 0 if produced else empty_epochs + 1
-            if empty_epochs >= 2:
-                raise EyasError("the training data yields no batch for this process (fewer batches than processes?); "
-                                "use more data, a smaller train.token_budget or fewer processes")
-
-    def _worker(self) -> None:
-        try:
-            for item in self._produce():
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
-                    return
-        except BaseException as exc:  # handed to the consumer, raised there
-            self._queue.put(exc)
-
-    def __iter__(self) -> BatchStream:
-        return self
-
-    def __next__(self) -> tuple[dict, dict]:
-        if self.prefetch <= 0:
-            if self._iter is None:
-                self._iter = self._produce()
-            return next(self._iter)
-        if self._thread is None:
-            self._queue = queue.Queue(maxsize=self.prefetch)
-            self._thread = threading.Thread(target=self._worker, name="eyas-prefetch", daemon=True)
-            self._thread.start()
-        item = self._queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-
-
-def to_device(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 def read_target_weights(target_path: str, trust_remote_code: bool = False

@@ -51,17 +51,20 @@ from eyas import stages
 from eyas.cli import stage_main
 from eyas.config import Recipe, check_against_target, default_layers, parse_loss_mix, save_resolved
 from eyas.data.prepare import load_prepared
-from eyas.data.shards import TokenBudgetLoader, budget_batches, pad_batch
+from eyas.data.shards import budget_batches
 from eyas.data.vocab import VOCAB_FILE, build_vocab, count_tokens, load_vocab
 from eyas.draft.checkpoint import save_draft
 from eyas.draft.head import DraftHead, count_parameters, init_layers_from_target
 from eyas.draft.registry import build_head, head_class, uses_draft_vocab
 from eyas.errors import EyasError
 from eyas.io import fresh_partial, publish_dir, sha256_file
+from eyas.plan import refuse_if_too_big, sharding_of
 from eyas.precision import mixed_precision_for
 from eyas.targets import load_target, load_target_config, load_tokenizer, target_identity
 from eyas.train import checkpoint as ckpt
-from eyas.train.data import BatchStream, open_shards, read_target_layer, read_target_weights, to_device
+from eyas.train import trust
+from eyas.train.data import open_shards, read_target_layer, read_target_weights
+from eyas.train.loader import BatchStream, TokenBudgetLoader, read_batch, to_device
 from eyas.train.losses import Teacher
 from eyas.train.metrics import MetricsLogger, tracker_settings
 from eyas.train.online import OnlineFeatures, PreparedReader
@@ -107,12 +110,16 @@ def _forget_previous_run_settings() -> None:
     AcceleratorState._reset_state(reset_partial_state=False)
 
 
-def configure_deepspeed(accelerator: Any, train_cfg: Any) -> None:
-    """Fill the DeepSpeed values eyas owns (a token-budget loader has no batch size of its own)."""
+def configure_deepspeed(accelerator: Any, train_cfg: Any, load_universal: bool = False) -> None:
+    """Fill the DeepSpeed values eyas owns (a token-budget loader has no batch size of its own).
+
+    `load_universal`: the resume reads a universal checkpoint (another number of processes wrote it)."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if plugin is None:
         return
     config = plugin.deepspeed_config
+    if load_universal:
+        config["checkpoint"] = {**config.get("checkpoint", {}), "load_universal": True}
     # One "sample" per micro-batch for DeepSpeed's bookkeeping; eyas sizes batches in tokens.
     config["train_micro_batch_size_per_gpu"] = 1
     config["gradient_accumulation_steps"] = int(train_cfg.grad_accum)
@@ -147,9 +154,9 @@ def set_optimizer_settings(optimizer: torch.optim.Optimizer, cfg: Any) -> None:
 # Settings a resume cannot change: they fix the data order, the batch shapes or the numerics of
 # the saved optimizer and data state. Every other train.* setting is applied from the recipe.
 # draft_init: the resumed weights are the trained ones, so a changed init could not be applied
-FIXED_ON_RESUME = ("source", "token_budget", "grad_accum", "ttt_steps", "ttt_token_feed", "mixed_precision", "draft_init")
+FIXED_ON_RESUME = ("source", "token_budget", "ttt_steps", "ttt_token_feed", "mixed_precision", "draft_init")
 # Settings that do not change a step's numerics and need no word when they differ.
-QUIET_ON_RESUME = ("resume", "log_every", "logger", "wandb_project", "prefetch")
+QUIET_ON_RESUME = ("resume", "trust_checkpoint", "log_every", "logger", "wandb_project", "prefetch", "loader_workers")
 
 
 def changed_settings(saved: dict, current: dict) -> dict[str, tuple[Any, Any]]:
@@ -304,6 +311,16 @@ class Trainer:
         unused = not self.kind_class.shares_layer and self.cfg.ttt_ramp_steps > 0
         self.accelerator = make_accelerator(recipe, find_unused=unused)
         self.device = self.accelerator.device
+        self.resume_from = ckpt.latest_checkpoint(self.ckpt_root) if self.cfg.resume else None
+        self.resize = ckpt.plan_resize(self.resume_from, self.accelerator.num_processes, self.cfg.grad_accum)
+        if self.resize:  # before anything sizes itself by grad_accum: the loader, the schedule, DeepSpeed
+            self.cfg = dataclasses.replace(self.cfg, grad_accum=self.resize.accum)
+            self.recipe = recipe = dataclasses.replace(recipe, train=self.cfg)
+            self.accelerator.gradient_accumulation_steps = self.resize.accum
+        self.processes_changed = bool(self.resize and self.resize.processes_changed)
+        if self.device.type == "cuda":  # a recipe that cannot fit is refused now, before the target and the data load
+            refuse_if_too_big("train", recipe, target_config, torch.cuda.get_device_properties(self.device).total_memory,
+                              self.accelerator.num_processes, sharding_of(self.accelerator), self.accelerator.mixed_precision)
         self.source = open_source(recipe, target_config, self.identity, self.device, target_model)
         head, lm_head = self._build_head(target_config, target_model)
         self.head_config = head.config
@@ -314,8 +331,9 @@ class Trainer:
         self.loader = self.make_loader(self.source.train_reader, shuffle=True)
         optimizer = self._build_schedule(head)
         self.param_counts = count_parameters(head)  # before ZeRO-3 partitions the weights
-        configure_deepspeed(self.accelerator, self.cfg)
-        self.model, self.optimizer = self.accelerator.prepare(TrainingUnroll(head.to(self.device)), optimizer)
+        configure_deepspeed(self.accelerator, self.cfg, load_universal=self.processes_changed)
+        self.model, self.optimizer = self.accelerator.prepare(
+            TrainingUnroll(head.to(self.device), checkpoint_steps=self.cfg.checkpoint_unroll), optimizer)
         self.state = TrainState()
         self.resumed_from: Path | None = None
         self.resume_changes: dict[str, tuple[Any, Any]] = {}
@@ -383,8 +401,8 @@ class Trainer:
 
     def make_loader(self, reader: Any, shuffle: bool) -> TokenBudgetLoader:
         acc = self.accelerator
-        return TokenBudgetLoader(reader, self.cfg.token_budget, seed=self.recipe.run.seed,
-                                 rank=acc.process_index, world_size=acc.num_processes, shuffle=shuffle)
+        return TokenBudgetLoader(reader, self.cfg.token_budget, seed=self.recipe.run.seed, rank=acc.process_index,
+                                 world_size=acc.num_processes, shuffle=shuffle, grad_accum=self.cfg.grad_accum)
 
     @property
     def head(self) -> DraftHead:
@@ -482,7 +500,7 @@ class Trainer:
             # Every rank runs the same number of forwards (FSDP/ZeRO-3 gather weights collectively);
             # a rank short of batches repeats one and discards the result.
             real = index < len(mine)
-            batch = self._prepare_batch(pad_batch([reader.sample(int(i)) for i in (mine[index] if real else spare)]))
+            batch = self._prepare_batch(read_batch(reader, mine[index] if real else spare))
             out = self.model(batch, self.teacher, steps, self.mix, token_feed=self.token_feed,
                              teacher_top=self._reference_argmax(batch))
             if real:
@@ -562,6 +580,8 @@ class Trainer:
                     "total_steps": self.total_steps})
         acc.wait_for_everyone()
         if acc.is_main_process:
+            if not best_only:  # every rank's files are written: sign what a resume reads (eyas.train.trust)
+                trust.sign_checkpoint(partial)
             publish_dir(partial, final)
             if not best_only:
                 ckpt.prune_checkpoints(self.ckpt_root, self.cfg.keep_last)
@@ -570,7 +590,7 @@ class Trainer:
 
     def resume(self) -> None:
         """Restore everything from the newest complete checkpoint, if resuming is on and there is one."""
-        latest = ckpt.latest_checkpoint(self.ckpt_root) if self.cfg.resume else None
+        latest = self.resume_from
         if latest is None:
             return
         saved = ckpt.read_trainer_state(latest)
@@ -578,18 +598,18 @@ class Trainer:
         if diffs:
             raise EyasError(f"cannot resume from '{latest}': the checkpoint's draft differs from this run's ("
                             + "; ".join(diffs) + "); set train.resume=false or use another run.name")
-        if saved["world_size"] != self.accelerator.num_processes:
-            raise EyasError(f"cannot resume from '{latest}': it was written by {saved['world_size']} process(es), this "
-                            f"run has {self.accelerator.num_processes}; the data position is per process, so resume "
-                            "with the same number, or set train.resume=false")
-        position_file = latest / f"loader_rank{self.accelerator.process_index}.json"
+        # every rank stands at the same position at a step boundary; on another number of processes
+        # rank 0's is converted (TokenBudgetLoader.load_state_dict)
+        position_file = latest / f"loader_rank{0 if self.processes_changed else self.accelerator.process_index}.json"
         if not (latest / "state").is_dir() or not position_file.is_file():
             raise EyasError(f"'{latest}' lacks its training state (state/ or {position_file.name}); "
                             "delete it to resume from the one before")
         changes = self._settings_on_resume(saved, latest)
         position = json.loads(position_file.read_text())
-        self._check_rng_state(latest, position)
-        self.accelerator.load_state(str(latest / "state"))
+        self._check_rng_state(latest)
+        # before anything is unpickled; hashing reads the whole state once (seconds per GB of a DeepSpeed state)
+        trust.verify_before_load(self.accelerator, latest, self.cfg.trust_checkpoint)
+        self._load_state(latest / "state")
         self.scheduler.load_state_dict(saved["scheduler"])
         if changes:
             self._apply_changed_settings()
@@ -600,11 +620,34 @@ class Trainer:
                                 best_step=saved["best_step"], last_eval=saved.get("last_eval", {}))
         self.resumed_from = latest
 
-    def _check_rng_state(self, latest: Path, position: dict) -> None:
-        """accelerate skips an unreadable RNG state with a log line, and the resume is no longer exact."""
+    def _load_state(self, state: Path) -> None:
+        """accelerate's load_state; on another number of processes a DeepSpeed state is read through a
+        universal copy (DeepSpeed refuses to repartition its own format), made once by the main process."""
+        acc = self.accelerator
+        if not (self.processes_changed and getattr(acc.state, "deepspeed_plugin", None)):
+            acc.load_state(str(state))
+            return
+        universal = self.ckpt_root / f".universal-{state.parent.name}"
+        if acc.is_main_process:
+            ckpt.universal_state(state, universal)
+        acc.wait_for_everyone()
+        acc.load_state(str(universal))
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            shutil.rmtree(universal, ignore_errors=True)
+
+    def _check_rng_state(self, latest: Path) -> None:
+        """accelerate skips an unreadable RNG state with a log line, and the resume is no longer exact.
+
+        On another number of processes a rank the checkpoint had keeps its state and a new rank has
+        none; nothing in a training step draws random numbers (the data order is seeded by the
+        recipe), so that changes nothing but the random state a later user of it would see."""
         rank = self.accelerator.process_index
         rng = latest / "state" / f"random_states_{rank}.pkl"
-        expected = position.get("rng_sha256")
+        position_file = latest / f"loader_rank{rank}.json"
+        if self.processes_changed and not position_file.is_file():
+            return
+        expected = json.loads(position_file.read_text()).get("rng_sha256")
         if expected is None:  # written before checkpoints recorded it
             return
         if not rng.is_file() or sha256_file(rng) != expected:
@@ -616,7 +659,8 @@ class Trainer:
         """The changed train.* settings this resume applies; refuses the ones it cannot."""
         if "train" not in saved:  # written before checkpoints recorded their settings
             return {}
-        changes = changed_settings(saved["train"], dataclasses.asdict(self.cfg))
+        # grad_accum follows the checkpoint's global batch (ckpt.plan_resize), never a "change"
+        changes = changed_settings({**saved["train"], "grad_accum": self.cfg.grad_accum}, dataclasses.asdict(self.cfg))
         if saved.get("seed", self.recipe.run.seed) != self.recipe.run.seed:
             changes["run.seed"] = (saved["seed"], self.recipe.run.seed)
         fixed = [k for k in changes if k in FIXED_ON_RESUME or k == "run.seed"]
@@ -653,11 +697,13 @@ class Trainer:
             + f"; {self.init_note}; {self.source.description}; device {self.device}, "
             f"mixed precision {acc.mixed_precision}"
             + (f"; resumed from {self.resumed_from} (step {self.state.step})" if self.resumed_from else ""))
+        if self.resumed_from and self.resize:
+            logger.message(f"eyas train: {self.resize.describe()}")
         if self.resumed_from and self.resume_changes:
             logger.message("eyas train: resumed with changed settings, applied from this step on: " + ", ".join(
                 f"{_key(k)} {old!r} -> {new!r}" for k, (old, new) in self.resume_changes.items()))
         signals = StopSignals().install()
-        stream = BatchStream(self.loader, cfg.prefetch)
+        stream = BatchStream(self.loader, cfg.prefetch, cfg.loader_workers, decode_in_reader=self.device.type == "cpu")
         outcome = "done"
         try:
             while self.state.step < self.total_steps:

@@ -22,15 +22,26 @@ step's keys (slots s <= t), as DeepSeek-V3's MTP modules do.
 
 Gradients flow through the fed hidden state (step k's loss reaches the weights through
 steps 0..k-1); the fed token is an argmax and carries none.
+
+Activation checkpointing (`checkpoint_steps`, recipe key `train.checkpoint_unroll`): each step,
+its lm_head and its loss run under `torch.utils.checkpoint` (non-reentrant) and are recomputed in
+the backward, so the unroll keeps per step only its inputs and outputs (feature, hidden, the
+step's keys/values) instead of its MLP, logits and loss activations; about one more forward
+per step. A step sees the cache as it was when the step first ran (a snapshot) and hands its new
+keys/values back as outputs (`cached_step`), so the recomputation attends to exactly the same blocks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from eyas.draft.blocks import TTTCache
 from eyas.draft.head import DraftHead
@@ -77,11 +88,12 @@ def teacher_for(batch: dict, teacher: Teacher) -> TeacherDist:
 
 def unroll(head: DraftHead, batch: dict, teacher: Teacher, steps: int, mix: dict[str, float],
            token_feed: str = "draft", feature_loss: bool = False, teacher_dist: TeacherDist | None = None,
-           teacher_top: torch.Tensor | None = None) -> UnrollResult:
+           teacher_top: torch.Tensor | None = None, checkpoint_steps: bool = False) -> UnrollResult:
     """Run `steps` draft steps over a batch and return per-step loss sums, counts and hits.
 
     `teacher_top` overrides the reference argmax for accuracy (held-out eval passes the
     target's full-vocabulary argmax mapped to draft ids, -1 when outside the draft vocab).
+    `checkpoint_steps`: recompute each step in the backward (only where autograd records).
     """
     if token_feed not in TOKEN_FEEDS:
         raise ValueError(f"token_feed must be one of {TOKEN_FEEDS}, got {token_feed!r}")
@@ -102,9 +114,10 @@ def unroll(head: DraftHead, batch: dict, teacher: Teacher, steps: int, mix: dict
     cache = TTTCache() if head.shares_layer else None
     out = UnrollResult()
     for k in range(steps):
-        hidden, logits = head.step(k, tokens, feature, positions + k, past_key_values=cache)
-        drafted = logits.detach().argmax(-1)  # [B, T] draft ids: accuracy, and the next step's tokens
-        _score_step(out, k, logits, drafted, teacher_dist, teacher_top, labels, loss_mask, mix)
+        step = partial(_step_and_score, head, k, teacher_dist, teacher_top, labels, loss_mask, mix)
+        hidden, drafted, scores = cached_step(step, cache, tokens, feature, positions + k, recompute=checkpoint_steps)
+        for totals, value in zip((out.loss_sums, out.counts, out.correct), scores):
+            totals.append(value)
         if feature_loss and k == 0:
             out.feature_loss_sum = _feature_loss_sum(hidden, batch["last_hidden"], loss_mask)
         if k + 1 == steps:
@@ -125,14 +138,15 @@ class TrainingUnroll(nn.Module):
     (`head_state` strips it). Returns a dict of per-step lists (see `UnrollResult`).
     """
 
-    def __init__(self, head: DraftHead) -> None:
+    def __init__(self, head: DraftHead, checkpoint_steps: bool = False) -> None:
         super().__init__()
         self.head = head
+        self.checkpoint_steps = checkpoint_steps  # train.checkpoint_unroll
 
     def forward(self, batch: dict, teacher: Teacher, steps: int, mix: dict, token_feed: str = "draft",
                 feature_loss: bool = False, teacher_top: torch.Tensor | None = None) -> dict:
         result = unroll(self.head, batch, teacher, steps, mix, token_feed=token_feed, feature_loss=feature_loss,
-                        teacher_top=teacher_top)
+                        teacher_top=teacher_top, checkpoint_steps=self.checkpoint_steps)
         return {"loss_sums": result.loss_sums, "counts": result.counts, "correct": result.correct,
                 "feature_loss_sum": result.feature_loss_sum}
 
@@ -145,25 +159,56 @@ def head_state(unroll_state: dict[str, torch.Tensor] | None) -> dict[str, torch.
     return {name.removeprefix("head."): tensor for name, tensor in unroll_state.items()}
 
 
-def _score_step(out: UnrollResult, k: int, logits, drafted, teacher: TeacherDist, teacher_top, labels, loss_mask,
-                mix) -> None:
-    """Loss, count and hits of step k over slots 0..T-k-3 (views, no gather: masked slots weigh 0)."""
+def cached_step(step: Callable, cache: TTTCache | None, *inputs: torch.Tensor, recompute: bool = False) -> Any:
+    """`step(step_cache, *inputs)`, its new keys/values then appended to `cache`; recomputed in the
+    backward (non-reentrant checkpoint) when `recompute` and autograd records.
+
+    The step runs on a private cache holding the blocks as they are now: a recomputation in the
+    backward, when `cache` holds every later step's blocks too, must attend to these alone.
+    """
+    blocks = None if cache is None else {layer_idx: tuple(kv) for layer_idx, kv in cache.blocks.items()}
+    run = partial(_on_cache_copy, step, blocks)
+    if recompute and torch.is_grad_enabled():
+        outputs, new_blocks = checkpoint(run, *inputs, use_reentrant=False)
+    else:
+        outputs, new_blocks = run(*inputs)
+    for layer_idx, (key, value) in new_blocks.items():
+        cache.append(layer_idx, key, value)
+    return outputs
+
+
+def _on_cache_copy(step: Callable, blocks: dict[int, tuple] | None, *inputs: torch.Tensor) -> tuple[Any, dict]:
+    """step's outputs and {layer: (key, value)} it added, run on a fresh cache holding `blocks`."""
+    if blocks is None:
+        return step(None, *inputs), {}
+    cache = TTTCache()
+    cache.blocks = {layer_idx: list(kv) for layer_idx, kv in blocks.items()}
+    outputs = step(cache, *inputs)
+    return outputs, {layer_idx: kv[-1] for layer_idx, kv in cache.blocks.items() if len(kv) > len(blocks.get(layer_idx, ()))}
+
+
+def _step_and_score(head: DraftHead, k: int, teacher: TeacherDist, teacher_top, labels, loss_mask, mix,
+                    cache: TTTCache | None, tokens, feature, positions):
+    """Step k and its scores, from its inputs alone: (hidden, drafted ids, (loss sum, count, hits))."""
+    hidden, logits = head.step(k, tokens, feature, positions, past_key_values=cache)
+    drafted = logits.detach().argmax(-1)  # [B, T] draft ids: accuracy, and the next step's tokens
+    return hidden, drafted, _score_step(k, logits, drafted, teacher, teacher_top, labels, loss_mask, mix)
+
+
+def _score_step(k: int, logits, drafted, teacher: TeacherDist, teacher_top, labels, loss_mask,
+                mix) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Loss sum, count and hits of step k over slots 0..T-k-3 (views, no gather: masked slots weigh 0)."""
     seq = logits.shape[1]
     length = seq - k - 2  # slots whose predicted token x_{t+k+2} exists
     if length <= 0:
         zero = logits.new_zeros((), dtype=torch.float32)
-        out.loss_sums.append(logits.sum() * 0.0)  # keeps every parameter in the graph (DDP)
-        out.counts.append(zero)
-        out.correct.append(zero)
-        return
+        return logits.sum() * 0.0, zero, zero  # the zero loss keeps every parameter in the graph (DDP)
     weight = loss_mask[:, k + 2:]
     span = slice(k + 1, seq - 1)  # teacher positions t+k+1 for slots t = 0..length-1
     losses = step_losses(logits[:, :length], teacher.probs[:, span], teacher.plogp[:, span],
                          labels[:, k + 2:], mix)
-    out.loss_sums.append((losses * weight).sum())
-    out.counts.append(weight.sum())
     hits = (drafted[:, :length] == teacher_top[:, span]).float()
-    out.correct.append((hits * weight).sum())
+    return (losses * weight).sum(), weight.sum(), (hits * weight).sum()
 
 
 def _feature_loss_sum(hidden: torch.Tensor, last_hidden: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from eyas.draft.config import HeadConfig
+from eyas.draft.ttt_attention import compute_dtype, ttt_attention
 
 
 def layer_config(cfg: HeadConfig) -> LlamaConfig:
@@ -46,7 +47,7 @@ class TTTCache:
     """Keys/values of a training-time-test unroll, one block per step and layer.
 
     Block 0 holds the context (step 0 at every position); block j >= 1 holds step j's
-    entries. The mask it implies (see `DraftAttention._ttt_attention`): the query of step k
+    entries. The mask it implies (see `eyas.draft.ttt_attention`): the query of step k
     at slot t attends to block-0 keys at slots s <= t and to block-j keys (1 <= j <= k) at
     slot t only; exactly what a draft sees at inference after context 0..t.
     """
@@ -81,7 +82,10 @@ class DraftAttention(nn.Module):
         v = self.v_proj(x).view(bsz, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if isinstance(past_key_values, TTTCache):
-            out = self._ttt_attention(q, past_key_values.append(layer_idx, k, v))
+            # Kept in the dtype attention runs in (autocast's: RoPE hands fp32 keys out under it), so later
+            # steps read them as they are instead of casting, and saving, every earlier step's copy again.
+            dtype = compute_dtype(q)
+            out = self._ttt_attention(q, past_key_values.append(layer_idx, k.to(dtype), v.to(dtype)))
         else:
             out = self._cached_attention(q, k, v, attention_mask, past_key_values, layer_idx)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, self.num_heads * self.head_dim))
@@ -103,26 +107,12 @@ class DraftAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=self.scaling, enable_gqa=True)
 
     def _ttt_attention(self, q, blocks):
-        """Training-time-test attention without materialising the (k+1)T-wide mask.
+        """Training-time-test attention: context block causal, earlier steps' blocks on the diagonal only.
 
-        Scores are [context block, causal over slots s <= t] followed by one score per earlier
-        step j (its key at the same slot t, the diagonal); one softmax over both parts.
+        Memory linear in the sequence (`eyas.draft.ttt_attention`: a fused causal kernel for the
+        context merged with the diagonal scores through their log-sum-exp); no (k+1)T-wide mask.
         """
-        bsz, _, seq, dim = q.shape
-        groups = self.num_heads // self.num_kv_heads
-        qg = q.view(bsz, self.num_kv_heads, groups, seq, dim)
-        k0, v0 = blocks[0]
-        if len(blocks) == 1:
-            return F.scaled_dot_product_attention(q, k0, v0, is_causal=True, scale=self.scaling, enable_gqa=True)
-        ctx = torch.matmul(qg, k0.unsqueeze(2).transpose(-1, -2)) * self.scaling  # [B, KV, G, T, T]
-        causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
-        ctx = ctx.masked_fill(causal, float("-inf"))
-        diag = torch.stack([(qg * kj.unsqueeze(2)).sum(-1) for kj, _ in blocks[1:]], dim=-1) * self.scaling
-        probs = torch.softmax(torch.cat([ctx, diag], dim=-1), dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(probs[..., :seq], v0.unsqueeze(2))
-        for j, (_, vj) in enumerate(blocks[1:]):
-            out = out + probs[..., seq + j: seq + j + 1] * vj.unsqueeze(2)
-        return out.reshape(bsz, self.num_heads, seq, dim)
+        return ttt_attention(q, blocks, self.scaling)
 
 
 class Eagle3Layer(nn.Module):

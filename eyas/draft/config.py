@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from eyas.draft.kinds import KIND_RULES, kind_rules, variant_fields
 from eyas.errors import EyasError
 
 FORMAT = "eyas-draft"
@@ -81,7 +82,7 @@ class HeadConfig:
     @property
     def variants(self) -> list[str]:
         """The normalisation variants this head has on (empty for the EAGLE-3 layout of the paper)."""
-        return [name for name in ("norm_before_fc", "norm_before_residual") if getattr(self, name)]
+        return [name for name in variant_fields() if getattr(self, name)]
 
     @property
     def written_version(self) -> int:
@@ -107,11 +108,14 @@ class HeadConfig:
         if missing:
             raise EyasError(f"'{where}' lacks {', '.join(missing)}; the checkpoint is damaged")
         values = {k: v for k, v in data.items() if k in names}
-        values.setdefault("train_lm_head", data.get("kind") == "eagle3")  # configs from before the field existed
+        values.setdefault("train_lm_head", kind_rules(str(data.get("kind"))).trains_lm_head)  # configs from before the field
         config = cls(**values)
-        if config.variants and config.kind != "eagle3":
-            raise EyasError(f"'{where}' is a {config.kind} draft with {', '.join(config.variants)} set, which only "
-                            "an eagle3 head has; the config was edited by hand or is damaged")
+        own = {v.field for v in kind_rules(config.kind).variants}
+        foreign = [name for name in config.variants if name not in own]
+        if foreign:
+            owners = [kind for kind, rules in KIND_RULES.items() if any(v.field == foreign[0] for v in rules.variants)]
+            raise EyasError(f"'{where}' is a {config.kind} draft with {', '.join(foreign)} set, which only "
+                            f"{' or '.join(f'an {k}' for k in owners)} head has; the config was edited by hand or is damaged")
         return config
 
     def resume_differences(self, other: HeadConfig | dict) -> list[str]:

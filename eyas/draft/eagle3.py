@@ -12,13 +12,44 @@ under the speculators config flags of the same names:
 - norm_before_fc: `input_norm.weight` [3H], an RMSNorm over the concatenated three target layers
   before `fc` (the three layers' scales differ a lot; one norm puts them on a common one);
 - norm_before_residual: the layer's residual is hidden_norm(feature) (see `Eagle3Layer`).
-SGLang's LlamaForCausalLMEagle3 has neither, so `eyas export` sends such a head to vLLM only.
+SGLang's LlamaForCausalLMEagle3 has neither, so `eyas export` sends such a head to vLLM only
+(the variants and the formats serving them are data in `eyas.draft.kinds`).
+
+Export (`EXPORT`, driven by `eyas export`; the public source each format was checked against,
+facts read there, no code copied):
+
+- `--to sglang`: architecture `LlamaForCausalLMEagle3` (sglang
+  `python/sglang/srt/models/llama_eagle3.py`). Weights `fc.weight` [H, 3H],
+  `midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight`,
+  `midlayer.self_attn.{q,k,v}_proj.weight` reading 2H (no bias: SGLang builds the fused qkv
+  without one), `midlayer.self_attn.o_proj.weight`, `midlayer.mlp.{gate,up,down}_proj.weight`,
+  `norm.weight`, `lm_head.weight` [draft_vocab, H], `d2t` (draft id -> offset to the target id;
+  SGLang's hot token ids are `d2t + arange`) and `t2d` (read and skipped). Its `load_weights`
+  silently skips any name it does not know, which is why the key set is checked. No
+  `embed_tokens`: the EAGLE worker calls `set_embed` with the target's embedding
+  (`python/sglang/srt/speculative/eagle_worker.py`). `eagle_config.eagle_aux_hidden_state_layer_ids`
+  are layer *output* ids: SGLang captures the input of layer id+1 (`set_eagle3_layers_to_capture`
+  in `models/llama.py`), so HF `hidden_states` index i is written as i-1. That model has no
+  normalisation variants: no norm before `fc` and the residual always the raw feature (and it would
+  load `input_norm.weight` by dropping it), so a head with `norm_before_fc` or
+  `norm_before_residual` is refused for SGLang with the fix (export it to vLLM).
+- `--to vllm`: the speculators format (vllm-project/speculators
+  `src/speculators/config.py`, `src/speculators/models/eagle3/config.py`; vLLM
+  `vllm/transformers_utils/configs/speculators/{base,algos}.py`): config.json with
+  `speculators_model_type: eagle3`, `speculators_config` (algorithm, greedy proposal with
+  `speculative_tokens`, verifier), `transformer_layer_config`, `draft_vocab_size`,
+  `target_hidden_size`, `eagle_aux_hidden_state_layer_ids` (HF indices: vLLM captures the input
+  of layer id) and the head's normalisation flags always written out: `norm_before_residual`
+  (vLLM's updater defaults a missing value to true, while the default head keeps the residual
+  before `hidden_norm`), `norm_before_fc`, and `fc_norm: false` / `norm_output: false` (variants
+  eyas does not train). Weights as vLLM's `Eagle3LlamaForCausalLM.load_weights` reads them
+  (`vllm/model_executor/models/llama_eagle3.py`): `fc.weight`, `input_norm.weight` [3H] (only with
+  `norm_before_fc`; vLLM drops the name otherwise), `layers.0.*`, `norm.weight`, `lm_head.weight`,
+  `d2t`, `t2d` (skipped); names without `model.`, which its loader prepends; no `embed_tokens`, so
+  vLLM shares the target's (`v1/spec_decode/eagle.py`: "EAGLE model without its own embed_tokens").
 """
 
 from __future__ import annotations
-
-import dataclasses
-from typing import Any
 
 import torch
 from torch import nn
@@ -26,27 +57,141 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from eyas.draft.blocks import Eagle3Layer, rms_norm
 from eyas.draft.config import HeadConfig
+from eyas.draft.features import FUSED_LAYERS
+from eyas.draft.formats import ExportContext, FormatSpec, KindExport, attention_shapes, llama_biases, llama_fields, mlp_shapes
 from eyas.draft.head import DraftHead
+from eyas.errors import EyasError
+
+SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
+VLLM_ARCHITECTURE = "Eagle3Speculator"
+SPECULATORS_VERSION = "0.3.0"
+# the engines' EAGLE-3 draft model classes, as the bias refusal names them
+_ENGINE_MODELS = {"sglang": "SGLang's LlamaForCausalLMEagle3", "vllm": "vLLM's Eagle3LlamaForCausalLM"}
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def _layer(fmt: str) -> str:
+    return "midlayer." if fmt == "sglang" else "layers.0."
+
+
+def _shapes(cfg: HeadConfig, bias: bool, fmt: str) -> dict[str, tuple]:
+    h, layer = cfg.hidden_size, _layer(fmt)
+    shapes: dict[str, tuple] = {}
+    if cfg.norm_before_fc:  # vLLM's model.input_norm (norm_before_fc), over the three target layers
+        shapes["input_norm.weight"] = (3 * h,)
+    shapes["fc.weight"] = (h, 3 * h)
+    for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        shapes[f"{layer}{norm}.weight"] = (h,)
+    shapes.update(attention_shapes(cfg, f"{layer}self_attn.", 2 * h, bias))
+    shapes.update(mlp_shapes(cfg, f"{layer}mlp."))
+    shapes["norm.weight"] = (h,)
+    shapes["lm_head.weight"] = (cfg.draft_vocab_size, h)
+    if cfg.reduced_vocab:
+        shapes["d2t"] = (cfg.draft_vocab_size,)
+        shapes["t2d"] = (cfg.vocab_size,)
+    return shapes
+
+
+def _biases(cfg: HeadConfig, fmt: str) -> bool:
+    """Both engines build the 2H-wide attention without biases."""
+    if cfg.qkv_bias:
+        raise EyasError(f"the draft has q/k/v biases (target family '{cfg.target_model_type}'), but {_ENGINE_MODELS[fmt]} "
+                        "builds its 2H-wide attention without biases; it would load the weights and drop the biases")
+    return llama_biases(cfg, fmt)
+
+
+def _to_vllm(name: str) -> str:
+    return "layers.0." + name[len("midlayer."):] if name.startswith("midlayer.") else name
+
+
+def _from_vllm(exported: str) -> str:
+    return "midlayer." + exported[len("layers.0."):] if exported.startswith("layers.0.") else exported
+
+
+def _check_aux_layers(cfg: HeadConfig, where: str) -> None:
+    """Serving engines capture the residual stream entering a layer: HF indices 1..L-1 only."""
+    depth = cfg.target_hidden_layers
+    for i in cfg.aux_layers:
+        if not 1 <= i <= depth - 1:
+            raise EyasError(f"the draft reads HF hidden_states index {i}, which SGLang/vLLM cannot capture "
+                            f"(they take the input of a decoder layer: indices 1..{depth - 1}); retrain with "
+                            "dump.layers inside that range")
+
+
+def _sglang_config(cfg: HeadConfig, ctx: ExportContext) -> dict:
+    return {"architectures": [SGLANG_ARCHITECTURE], **llama_fields(cfg, 1, ctx.dtype),
+            "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.hidden_size,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in cfg.aux_layers],
+                             "use_aux_hidden_state": True},
+            "eyas": ctx.provenance}
+
+
+def _vllm_config(cfg: HeadConfig, ctx: ExportContext) -> dict:
+    return {
+        "architectures": [VLLM_ARCHITECTURE],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": ctx.speculative_tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": ctx.target.get("path"), "architectures": ctx.target.get("architectures", [])},
+        },
+        "transformer_layer_config": llama_fields(cfg, 1, ctx.dtype),
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.hidden_size,
+        # all four written: an absent norm_before_residual is true to vLLM (module docstring)
+        "norm_before_residual": bool(cfg.norm_before_residual),
+        "norm_before_fc": bool(cfg.norm_before_fc),
+        "fc_norm": False,
+        "norm_output": False,
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layers),
+        "torch_dtype": ctx.dtype,
+        "eyas": ctx.provenance,
+    }
+
+
+def _read_config(config: dict, fmt: str) -> dict:
+    """The layer, fused layers (HF indices), draft vocabulary and variants of an exported config.json."""
+    if fmt == "sglang":  # SGLang's model has no variants
+        return {"layer": config, "num_layers": 1, "draft_vocab_size": int(config.get("draft_vocab_size") or config["vocab_size"]),
+                "aux_layers": [i + 1 for i in config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids", [])]}
+    # read as vLLM reads them (transformers_utils/configs/speculators/algos.py): an absent
+    # norm_before_residual is true there; the two variants eyas has no head for are refused
+    for name in ("fc_norm", "norm_output"):
+        if config.get(name):
+            raise EyasError(f"the export sets {name}: true, an EAGLE-3 variant eyas heads do not have")
+    return {"layer": dict(config["transformer_layer_config"]), "num_layers": 1,
+            "aux_layers": list(config["eagle_aux_hidden_state_layer_ids"]),
+            "draft_vocab_size": int(config["draft_vocab_size"]),
+            "norm_before_fc": bool(config.get("norm_before_fc", False)),
+            "norm_before_residual": bool(config.get("norm_before_residual", True))}
+
+
+EXPORT = KindExport(
+    formats={
+        "sglang": FormatSpec(SGLANG_ARCHITECTURE, "EAGLE3", lambda cfg, bias: _shapes(cfg, bias, "sglang"),
+                             _sglang_config, biases=_biases),
+        "vllm": FormatSpec(VLLM_ARCHITECTURE, "eagle3", lambda cfg, bias: _shapes(cfg, bias, "vllm"), _vllm_config,
+                           biases=_biases, to_engine=_to_vllm, to_eyas=_from_vllm),
+    },
+    # the engines share the target's embedding; the lm_head is the draft's own (reduced vocabulary)
+    from_target=frozenset({"embed_tokens.weight"}),
+    check=_check_aux_layers,
+    read_config=_read_config,
+)
+
+# ----------------------------------------------------------------------------- the head
 
 
 class Eagle3Head(DraftHead):
     kind = "eagle3"
-    feature = "aux_hidden"
+    feature_spec = FUSED_LAYERS
     supports_draft_vocab = True
-    export_architectures = {"sglang": "LlamaForCausalLMEagle3", "vllm": "Eagle3Speculator"}
-    vllm_method = "eagle3"
-
-    @classmethod
-    def trains_lm_head(cls, draft_cfg: Any) -> bool:
-        return bool(getattr(draft_cfg, "train_lm_head", True))
-
-    @classmethod
-    def head_config(cls, draft_cfg: Any, target_config: Any, aux_layers: list[int],
-                    draft_vocab_size: int | None, target_identity: str) -> HeadConfig:
-        """The shared config plus the normalisation variants of the recipe's draft section (off when absent)."""
-        cfg = super().head_config(draft_cfg, target_config, aux_layers, draft_vocab_size, target_identity)
-        return dataclasses.replace(cfg, norm_before_fc=bool(getattr(draft_cfg, "eagle3_norm_before_fc", False)),
-                                   norm_before_residual=bool(getattr(draft_cfg, "eagle3_norm_before_residual", False)))
+    export = EXPORT
 
     def _build(self, cfg: HeadConfig) -> None:
         if cfg.norm_before_fc:  # starts at 1 (no random init), so the default head's init stream is unchanged

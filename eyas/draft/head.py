@@ -3,8 +3,9 @@
 A kind is one subclass in its own file (`eagle.py`, `eagle3.py`, `mtp.py`) listed in
 `eyas.draft.registry`. It builds its own layers in `_build`, says how it reads the target's
 features (`project`) and runs one draft step (`step`); the class attributes below tell the
-dump, the trainer, the eval adapter and the exporter everything else they need, so none of
-them branches on the kind's name.
+dump, the trainer, the eval adapter and the exporter everything else they need (its feature
+spec, `eyas.draft.features`; its export mapping, `eyas.draft.formats`), and its recipe rules are
+data in `eyas.draft.kinds`, so none of them branches on the kind's name (docs/heads.md).
 
 Semantics (EAGLE): at position t the head reads the feature f_t (the target's hidden state
 at t for step 0) and the embedding of token x_{t+1}, and predicts x_{t+2}. Step k > 0 reads
@@ -24,6 +25,9 @@ from torch import nn
 
 from eyas.draft.blocks import DecoderLayer, Eagle3Layer, MTPLayer, rotary_embedding
 from eyas.draft.config import HeadConfig, target_shapes
+from eyas.draft.features import LAST_HIDDEN, FeatureSpec
+from eyas.draft.formats import KindExport
+from eyas.draft.kinds import kind_rules
 from eyas.errors import EyasError
 
 
@@ -31,8 +35,10 @@ class DraftHead(nn.Module):
     """The shared part of a draft head; see the module docstring."""
 
     kind: ClassVar[str]
-    # the dump feature step 0 reads: "aux_hidden" (three fused target layers) or "last_hidden"
-    feature: ClassVar[str] = "last_hidden"
+    # the target feature step 0 reads, as the dump writes it and the trainer checks it
+    feature_spec: ClassVar[FeatureSpec] = LAST_HIDDEN
+    # its batch / manifest key ("aux_hidden" or "last_hidden"), always `feature_spec.name`
+    feature: ClassVar[str] = LAST_HIDDEN.name
     # one layer serves every draft step (training uses the TTT mask, eval the shared-layer adapter);
     # False: one layer per step, each with its own KV cache
     shares_layer: ClassVar[bool] = True
@@ -42,9 +48,12 @@ class DraftHead(nn.Module):
     feature_regression: ClassVar[bool] = False
     # may predict over the reduced draft vocabulary (d2t/t2d); else always the target's full one
     supports_draft_vocab: ClassVar[bool] = False
-    # what `eyas export` writes it as: engine architecture per format, and vLLM's speculative `method`
-    export_architectures: ClassVar[dict[str, str]] = {}
-    vllm_method: ClassVar[str] = ""
+    # what `eyas export` writes it as, per engine format (names, shapes, config.json, serving)
+    export: ClassVar[KindExport]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.feature = cls.feature_spec.name  # one source: the spec the kind declares
 
     def __init__(self, cfg: HeadConfig, d2t: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -72,10 +81,12 @@ class DraftHead(nn.Module):
         if not cls.supports_draft_vocab or not draft_vocab_size or draft_vocab_size >= vocab:
             draft_vocab_size = vocab
         shapes["intermediate_size"] = int(draft_cfg.intermediate_size or shapes["intermediate_size"])
+        # the kind's layer variants, from their recipe switches (off when the section lacks them)
+        variants = {v.field: bool(getattr(draft_cfg, v.recipe_key, False)) for v in kind_rules(cls.kind).variants}
         return HeadConfig(kind=cls.kind, num_layers=cls.layers_for(draft_cfg), num_steps=int(draft_cfg.num_steps),
                           mtp_feed=draft_cfg.mtp_feed, aux_layers=list(aux_layers or []),
                           draft_vocab_size=int(draft_vocab_size), target_identity=target_identity,
-                          train_lm_head=cls.trains_lm_head(draft_cfg), **shapes)
+                          train_lm_head=cls.trains_lm_head(draft_cfg), **variants, **shapes)
 
     @classmethod
     def layers_for(cls, draft_cfg: Any) -> int:
@@ -83,7 +94,8 @@ class DraftHead(nn.Module):
 
     @classmethod
     def trains_lm_head(cls, draft_cfg: Any) -> bool:
-        return False
+        """Whether the lm_head trains: the kind's rule, and then the recipe's `draft.train_lm_head`."""
+        return kind_rules(cls.kind).trains_lm_head and bool(getattr(draft_cfg, "train_lm_head", True))
 
     def _build(self, cfg: HeadConfig) -> None:
         raise NotImplementedError

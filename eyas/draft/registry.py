@@ -1,4 +1,5 @@
-"""The head kinds eyas trains: one line per kind. Adding a kind is a new file and a line here."""
+"""The head kinds eyas trains: one line per kind. Adding a kind is a new file, a line here and its
+recipe rules in `eyas.draft.kinds` (docs/heads.md, "Adding a head kind")."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def build_head(draft_cfg: Any, target_config: Any, aux_layers: list[int] | None 
     support one; it is ignored otherwise and when `draft.use_draft_vocab` is false.
     """
     cls = head_class(draft_cfg.kind)
-    if cls.feature == "aux_hidden" and not aux_layers:
+    if cls.feature_spec.fused_layers and not aux_layers:
         aux_layers = default_layers(int(target_config.num_hidden_layers))
     use_vocab = uses_draft_vocab(draft_cfg) and d2t is not None
     cfg = cls.head_config(draft_cfg, target_config, aux_layers, len(d2t) if use_vocab else None, target_identity)

@@ -55,7 +55,7 @@ def register() -> None:
     from vllm import ModelRegistry
 
     class EyasMTPConfig(PretrainedConfig):
-        """The config.json of an eyas mtp export (plain fields; see train/export.py vllm_mtp_config)."""
+        """The config.json of an eyas mtp export (plain fields; written by `_vllm_config` in eyas/draft/mtp.py)."""
         model_type = MODEL_TYPE
 
     try:

@@ -1,0 +1,421 @@
+"""Many prompts at once: the speculative decoder over a batch of rows with ragged acceptance.
+
+One round verifies every live row in ONE target forward (B rows x K+1 tokens); on a CPU the
+target is weight-memory bound at small token counts, so that forward costs far less than B
+forwards of K+1 tokens, and an eval of a prompt set costs about what its longest prompts cost.
+
+Layout (`RaggedCache`): one HF DynamicCache [B, H, S, D] for the batch; row b's entries are
+the contiguous columns [start_b, start_b + len_b), column c at RoPE position c - start_b.
+Prompts are left-padded for the prefill (so the last prompt token of every row sits in the
+last column and only its logits are computed); later tokens are appended at columns S..S+n
+for all rows, then each row keeps its own count of them (`settle`: moved next to its own
+entries, the rest dropped), so the cache grows by what each row accepted, not by the padding.
+Every forward gets an additive 4D mask [B, 1, n, S + n] that hides each row's padding and
+stale columns; finished rows (EOS or max tokens) leave the batch (`select`).
+
+Per round and row the steps are those of `SpeculativeDecoder` (chain shapes): draw the chain
+from the draft with the row's own generator, verify with `verify_greedy` / `verify_sampled`,
+count with the same bookkeeping, so each row's `DecodeResult` means what it means one at a
+time. With the same per-row seed a row draws its random numbers in the same order as a fresh
+`SpeculativeDecoder(seed=...)` on that prompt alone, so outputs and acceptance counts agree
+with the one-at-a-time decoder up to float rounding: a batch changes matmul blocking and adds
+masked columns to each softmax, which can move a last bit (fp32: never a token in the tests;
+bf16: a near-tie can flip, as between a verify and single steps, see `eval.kv`).
+
+Batched drafts: `truncated:N` (and any token-only `LMDraft`) and the shared-layer heads
+(eagle, eagle3). `batch_unsupported` names why any other draft or shape falls back to the
+one-at-a-time decoder (mtp: per-layer caches with their own frontiers; mixture: a test draft;
+static and dynamic trees: per-row tree layouts are not batched yet).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eyas.decode import SamplingParams, cache_kwarg, new_cache, process_logits, sample, stop_token_ids
+from eyas.eval.decoder import DecodeResult, SpeculativeDecoder, _Clock, _count, _cut
+from eyas.eval.drafts import LMDraft, MixtureDraft
+from eyas.eval.head_draft import SharedLayerDraft
+from eyas.eval.kv import check_attention, row_invariant_attention
+from eyas.eval.tree import Shape, Tree, new_tree
+from eyas.eval.verify import draw_candidates, verify_greedy, verify_sampled
+
+# --------------------------------------------------------------------------------------------
+# The ragged cache
+
+
+class RaggedCache:
+    """A batch KV cache whose row b holds columns [start_b, start_b + len_b) (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.cache = new_cache()
+        self.start = torch.zeros(0, dtype=torch.long)
+        self.lengths = torch.zeros(0, dtype=torch.long)
+
+    @property
+    def width(self) -> int:
+        """Physical columns (every row's entries end at or before it)."""
+        return int((self.start + self.lengths).max()) if len(self.lengths) else 0
+
+    def prefill_mask(self, counts: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
+        """Additive [B, 1, W, W] for left-padded rows of `counts` tokens in an empty cache: causal, padding hidden."""
+        width = int(counts.max())
+        cols = torch.arange(width)
+        start = width - counts
+        visible = (cols[None, :] <= cols[:, None])[None] & (cols[None, None, :] >= start[:, None, None])
+        return _additive(visible, dtype, device)
+
+    def prefill_positions(self, counts: torch.Tensor) -> torch.Tensor:
+        width = int(counts.max())
+        return (torch.arange(width)[None, :] - (width - counts)[:, None]).clamp(min=0)
+
+    def after_prefill(self, counts: torch.Tensor) -> None:
+        self.start = int(counts.max()) - counts
+        self.lengths = counts.clone()
+
+    def append_mask(self, n: int, counts: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
+        """Additive [B, 1, n, S + n] for n new tokens per row (the first counts_b real, causal among themselves)."""
+        cols = torch.arange(self.width)
+        old = (cols[None, :] >= self.start[:, None]) & (cols[None, :] < (self.start + self.lengths)[:, None])
+        new = torch.arange(n)
+        within = (new[None, :] <= new[:, None])[None] & (new[None, None, :] < counts[:, None, None])
+        visible = torch.cat([old[:, None, :].expand(-1, n, -1), within], dim=2)
+        return _additive(visible, dtype, device)
+
+    def append_positions(self, n: int) -> torch.Tensor:
+        return self.lengths[:, None] + torch.arange(n)[None, :]
+
+    def settle(self, counts: torch.Tensor) -> None:
+        """After a forward appended n columns at S: row b keeps its first counts_b, moved next to its entries."""
+        width = self.width
+        rows = torch.repeat_interleave(torch.arange(len(counts)), counts)
+        offsets = torch.cat([torch.arange(int(c)) for c in counts]) if len(rows) else rows
+        src = width + offsets
+        dst = (self.start + self.lengths)[rows] + offsets
+        for layer in self.cache.layers:
+            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+            if keys is None or keys.numel() == 0:
+                continue
+            r, s, d = rows.to(keys.device), src.to(keys.device), dst.to(keys.device)
+            keys[r, :, d] = keys[r, :, s]  # the right side is gathered first: overlapping moves are safe
+            values[r, :, d] = values[r, :, s]
+        self.lengths = self.lengths + counts
+        self._crop()
+
+    def truncate(self, lengths: torch.Tensor) -> None:
+        """Row b keeps its first lengths_b entries."""
+        self.lengths = lengths.clone()
+        self._crop()
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only these rows (finished ones leave the batch)."""
+        if any(getattr(layer, "keys", None) is not None and layer.keys.numel() for layer in self.cache.layers):
+            self.cache.batch_select_indices(rows.to(self.cache.layers[0].keys.device))
+        self.start, self.lengths = self.start[rows], self.lengths[rows]
+        shift = int(self.start.min()) if len(rows) else 0  # columns no remaining row uses
+        for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel() and shift:
+                layer.keys, layer.values = layer.keys[..., shift:, :], layer.values[..., shift:, :]
+        self.start = self.start - shift
+        self._crop()
+
+    def last_column(self) -> torch.Tensor:
+        return self.start + self.lengths - 1
+
+    def _crop(self) -> None:
+        width = self.width
+        for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                layer.keys, layer.values = layer.keys[..., :width, :], layer.values[..., :width, :]
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
+    zero = torch.zeros((), dtype=dtype)
+    blocked = torch.full((), torch.finfo(dtype).min, dtype=dtype)
+    return torch.where(visible, zero, blocked)[:, None].to(device)
+
+
+def _right_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    counts = torch.tensor([len(r) for r in rows], dtype=torch.long)
+    width = int(counts.max())
+    return torch.tensor([r + [r[-1]] * (width - len(r)) for r in rows], dtype=torch.long), counts
+
+
+def _left_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    counts = torch.tensor([len(r) for r in rows], dtype=torch.long)
+    width = int(counts.max())
+    return torch.tensor([[r[0]] * (width - len(r)) + r for r in rows], dtype=torch.long), counts
+
+
+def _pick(x: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """x [B, T, ...] -> x[b, columns_b] [B, ...]."""
+    return x[torch.arange(x.shape[0], device=x.device), columns.to(x.device)]
+
+
+# --------------------------------------------------------------------------------------------
+# Batched drafts: start / expand (one chain node per row) / commit (ragged) / select
+
+
+class BatchedLMDraft:
+    """A token-only draft (`LMDraft`, e.g. truncated:N) over a `RaggedCache`."""
+
+    feature_layers = None
+    max_depth = None
+
+    def __init__(self, draft: LMDraft):
+        self.model = draft.model
+        self.name = draft.name
+        self.vocab_size = draft.vocab_size
+        self._cache_kw = cache_kwarg(self.model)
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        device = self.model.device
+        out = self.model(input_ids=ids.to(device), position_ids=positions.to(device), attention_mask=mask,
+                         use_cache=True, **{self._cache_kw: self.kv.cache})
+        return out.logits.float()
+
+    def start(self, prompts: list[list[int]], roots: list[int], features=None) -> torch.Tensor:
+        self.kv = RaggedCache()
+        ids, counts = _left_padded([p + [r] for p, r in zip(prompts, roots)])
+        logits = self._forward(ids, self.kv.prefill_positions(counts),
+                               self.kv.prefill_mask(counts, self.model.dtype, self.model.device))
+        self.kv.after_prefill(counts)
+        self.nodes = 0
+        return logits[:, -1]
+
+    def _append(self, rows: list[list[int]]) -> torch.Tensor:
+        ids, counts = _right_padded(rows)
+        n = ids.shape[1]
+        logits = self._forward(ids, self.kv.append_positions(n),
+                               self.kv.append_mask(n, counts, self.model.dtype, self.model.device))
+        self.kv.settle(counts)
+        return _pick(logits, counts - 1)
+
+    def expand(self, tokens: list[int]) -> torch.Tensor:
+        self.nodes += 1
+        return self._append([[t] for t in tokens])
+
+    def commit(self, accepted: list[list[int]], roots: list[int], features=None) -> torch.Tensor:
+        # the draft ran the first `nodes` chain nodes: those on the accepted path keep their KV
+        kept = torch.tensor([min(len(a), self.nodes) for a in accepted], dtype=torch.long)
+        self.kv.truncate(self.kv.lengths - self.nodes + kept)
+        self.nodes = 0
+        return self._append([a[k:] + [r] for a, k, r in zip(accepted, kept.tolist(), roots)])
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.kv.select(rows)
+
+
+class BatchedSharedLayerDraft:
+    """eagle / eagle3 (`SharedLayerDraft`) over a `RaggedCache`: slot t holds (f_t, x_{t+1}) at position t;
+    a chain node at depth d is step d with its parent's hidden, attending to the committed slots and its ancestors."""
+
+    def __init__(self, draft: SharedLayerDraft):
+        self.draft = draft
+        self.head = draft.head
+        self.name = draft.name
+        self.vocab_size = draft.vocab_size
+        self.feature_layers = draft.feature_layers
+        self.max_depth = draft.max_depth
+        self.dtype = next(self.head.parameters()).dtype
+        self.device = draft.device
+
+    def _step(self, k: int, ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
+        return self.head.step(k, ids.to(self.device), features, positions.to(self.device), attention_mask=mask,
+                              past_key_values=self.kv.cache)
+
+    def start(self, prompts: list[list[int]], roots: list[int], features: torch.Tensor) -> torch.Tensor:
+        """features: the target's left-padded prefill features [B, W, F] (W = the longest prompt)."""
+        self.kv = RaggedCache()
+        ids, counts = _left_padded([p[1:] + [r] for p, r in zip(prompts, roots)])
+        hidden, logits = self._step(0, ids, self.draft._project(features), self.kv.prefill_positions(counts),
+                                    self.kv.prefill_mask(counts, self.dtype, self.device))
+        self.kv.after_prefill(counts)
+        self.committed = counts.clone()
+        self.depth = 0
+        self.parent_hidden = hidden[:, -1]
+        return self.draft._to_target(logits[:, -1])
+
+    def _append(self, k: int, rows: list[list[int]], features: torch.Tensor) -> torch.Tensor:
+        ids, counts = _right_padded(rows)
+        n = ids.shape[1]
+        hidden, logits = self._step(k, ids, features, self.kv.append_positions(n),
+                                    self.kv.append_mask(n, counts, self.dtype, self.device))
+        self.kv.settle(counts)
+        self.parent_hidden = _pick(hidden, counts - 1)
+        return self.draft._to_target(_pick(logits, counts - 1))
+
+    def expand(self, tokens: list[int]) -> torch.Tensor:
+        self.depth += 1
+        return self._append(self.depth, [[t] for t in tokens], self.parent_hidden[:, None])
+
+    def commit(self, accepted: list[list[int]], roots: list[int], features: list[torch.Tensor]) -> torch.Tensor:
+        # tree entries were made from draft features: drop them, recompute the accepted pairs as step 0
+        self.kv.truncate(self.committed)
+        self.depth = 0
+        rows = [a + [r] for a, r in zip(accepted, roots)]
+        width = max(len(r) for r in rows)
+        padded = torch.stack([torch.cat([f, f[-1:].expand(width - len(f), -1)]) for f in features])
+        out = self._append(0, rows, self.draft._project(padded))
+        self.committed = self.kv.lengths.clone()
+        return out
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.kv.select(rows)
+        self.committed = self.committed[rows]
+        self.parent_hidden = self.parent_hidden[rows.to(self.parent_hidden.device)]
+
+
+def batch_unsupported(draft, shape: Shape) -> str | None:
+    """Why this draft x shape cannot run batched (None: it can)."""
+    if shape.kind != "chain":
+        return f"shape '{shape.spec}': only chain shapes are batched (per-row tree layouts are not yet)"
+    if isinstance(draft, MixtureDraft):
+        return f"draft '{draft.name}': the mixture test draft runs one prompt at a time"
+    if isinstance(draft, (LMDraft, SharedLayerDraft)):
+        return None
+    return f"draft '{draft.name}': only truncated/LM and eagle/eagle3 drafts are batched (mtp keeps per-layer frontiers)"
+
+
+def batched_draft(draft):
+    return BatchedSharedLayerDraft(draft) if isinstance(draft, SharedLayerDraft) else BatchedLMDraft(draft)
+
+
+# --------------------------------------------------------------------------------------------
+# The decoder
+
+
+class BatchedDecoder:
+    """`generate(prompts, max_new_tokens, seeds)` -> one `DecodeResult` per prompt; chain shapes only."""
+
+    def __init__(self, target, draft, shape: Shape, params: SamplingParams, eos_token_ids: list[int] | None = None):
+        reason = batch_unsupported(draft, shape)
+        if reason:
+            raise ValueError(reason)
+        self.single = SpeculativeDecoder(target, draft, shape, params, eos_token_ids)  # the same checks
+        check_attention(target)
+        self.target, self.shape, self.params = target, shape, params
+        self.draft = batched_draft(draft)
+        self.eos = set(eos_token_ids if eos_token_ids is not None else stop_token_ids(target))
+        self.device = target.device
+        self.feature_layers = self.draft.feature_layers
+        self._cache_kw = cache_kwarg(target)
+
+    def _target_forward(self, kv: RaggedCache, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                        keep: int = 0):
+        out = self.target(input_ids=ids.to(self.device), position_ids=positions.to(self.device), attention_mask=mask,
+                          use_cache=True, output_hidden_states=self.feature_layers is not None, logits_to_keep=keep,
+                          **{self._cache_kw: kv.cache})
+        features = None
+        if self.feature_layers is not None:
+            features = torch.cat([out.hidden_states[i] for i in self.feature_layers], dim=-1)
+        return out.logits, features
+
+    def _choose(self, logits: torch.Tensor, generator: torch.Generator) -> int:
+        if self.params.greedy:
+            return int(logits.argmax())
+        return sample(process_logits(logits, self.params), generator)
+
+    @torch.inference_mode()
+    def generate(self, prompts: list, max_new_tokens: int, seeds: list[int] | None = None) -> list[DecodeResult]:
+        rows = [torch.as_tensor(p, dtype=torch.long).flatten().tolist() for p in prompts]
+        for row in rows:
+            self.single.check_prompt(len(row), max_new_tokens)
+        seeds = seeds if seeds is not None else [0] * len(rows)
+        generators = [torch.Generator(device=self.device).manual_seed(int(s)) for s in seeds]
+        with row_invariant_attention(self.device, self.target.dtype):
+            return self._generate(rows, max_new_tokens, generators)
+
+    def _generate(self, prompts: list[list[int]], max_new_tokens: int, generators: list) -> list[DecodeResult]:
+        clock = _Clock(self.device)
+        target_forward = clock.timed("target", self._target_forward)
+        start, expand, commit = (clock.timed("draft", f) for f in (self.draft.start, self.draft.expand, self.draft.commit))
+        begin = clock.now()
+        results = [DecodeResult(tokens=[]) for _ in prompts]
+        kv = RaggedCache()
+        ids, counts = _left_padded(prompts)
+        dtype = self.target.dtype
+        logits, features = target_forward(kv, ids, kv.prefill_positions(counts), kv.prefill_mask(counts, dtype, self.device),
+                                          keep=1)
+        kv.after_prefill(counts)
+        roots = [self._choose(logits[b, -1], generators[b]) for b in range(len(prompts))]
+        for result, root in zip(results, roots):
+            result.tokens.append(root)
+        live = [b for b, r in enumerate(roots) if r not in self.eos and max_new_tokens > 1]
+        if live:
+            root_logits = start(prompts, roots, features)
+            if len(live) < len(prompts):
+                self._select(kv, live)
+            roots = [roots[b] for b in live]
+            root_logits = root_logits[live]
+        while live:
+            trees = self._draft_chains(roots, root_logits, [generators[b] for b in live], expand)
+            paths, bonuses, features = self._verify(kv, trees, [generators[b] for b in live], target_forward)
+            accepted = []
+            for b, tree, path, bonus in zip(live, trees, paths, bonuses):
+                _count(results[b], tree, path)
+                accepted.append(tree.path_tokens(path))
+                results[b].tokens += accepted[-1] + [bonus]
+            going = [i for i, b in enumerate(live)
+                     if len(results[b].tokens) < max_new_tokens and not self.eos.intersection(accepted[i] + [bonuses[i]])]
+            if not going:
+                break
+            if len(going) < len(live):
+                self._select(kv, going)
+            live = [live[i] for i in going]
+            roots = [bonuses[i] for i in going]
+            row_features = [features[i][: 1 + len(paths[i])] for i in going] if features is not None else None
+            root_logits = commit([accepted[i] for i in going], roots, row_features)
+        total = clock.now() - begin
+        share = 1.0 / len(prompts)  # the batch's time, split evenly: per-row sums give the batch's wall time
+        for result in results:
+            result.tokens = _cut(result.tokens, self.eos, max_new_tokens)
+            result.total_s = total * share
+            result.draft_s, result.target_s = clock.seconds["draft"] * share, clock.seconds["target"] * share
+        return results
+
+    def _select(self, kv: RaggedCache, keep: list[int]) -> None:
+        rows = torch.tensor(keep, dtype=torch.long)
+        kv.select(rows)
+        self.draft.select(rows)
+
+    def _draft_chains(self, roots: list[int], logits: torch.Tensor, generators: list, expand) -> list[Tree]:
+        """One chain per row, drawn in lockstep (each row's draws in the order the one-at-a-time decoder makes them)."""
+        trees = [new_tree(r) for r in roots]
+        parents = [0] * len(trees)
+        for depth in range(1, self.shape.depth + 1):
+            if self.params.greedy:  # the op `draw_candidates` makes per row, on all rows at once
+                tokens = logits.topk(1, dim=-1).indices[:, 0].tolist()
+                drawn_q = [None] * len(trees)
+            else:
+                draws = [draw_candidates(logits[i], 1, self.params, generators[i]) for i in range(len(trees))]
+                tokens, drawn_q = [d[0][0] for d in draws], [d[1] for d in draws]
+            for i, tree in enumerate(trees):
+                node = tree.add(parents[i], tokens[i])
+                tree.child_q[parents[i]] = drawn_q[i]
+                parents[i] = node
+            if depth < self.shape.depth:
+                logits = expand(tokens)
+                for tree, node in zip(trees, parents):
+                    tree.draft_ids[node] = depth - 1
+        return trees
+
+    def _verify(self, kv: RaggedCache, trees: list[Tree], generators: list, target_forward):
+        """All rows' [root, chain] in one forward; each row keeps root + its accepted prefix."""
+        n = self.shape.depth + 1
+        counts = torch.full((len(trees),), n, dtype=torch.long)
+        ids = torch.tensor([t.tokens for t in trees], dtype=torch.long)
+        logits, features = target_forward(kv, ids, kv.append_positions(n), kv.append_mask(n, counts, self.target.dtype,
+                                                                                           self.device))
+        paths, bonuses = [], []
+        greedy = logits.argmax(-1).tolist() if self.params.greedy else None
+        for i, tree in enumerate(trees):
+            if greedy is not None:
+                path, bonus = verify_greedy(tree.children, tree.tokens, greedy[i])
+            else:
+                probs = process_logits(logits[i], self.params)
+                path, bonus = verify_sampled(tree.children, tree.tokens, probs, tree.child_q, generators[i])
+            paths.append(path)
+            bonuses.append(bonus)
+        kv.settle(torch.tensor([1 + len(p) for p in paths], dtype=torch.long))
+        return paths, bonuses, (list(features) if features is not None else None)

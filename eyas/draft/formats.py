@@ -1,0 +1,162 @@
+"""The export contract a head kind fills in, and the Llama pieces every engine format is written from.
+
+`eyas export` (`eyas.train.export`) is a driver over these: each kind's module declares one
+`KindExport` (`DraftHead.export`) with a `FormatSpec` per engine format it can be served in. A
+`FormatSpec` names every tensor the engine's draft model reads with its shape (from the head config
+alone, written from the engine's module tree, so a renamed eyas tensor shows up as a mismatch), maps
+eyas state_dict names to the engine's and back, writes the engine's config.json and says how to
+serve it. The public source each format was checked against is recorded next to its mapping, in the
+kind's module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from eyas.draft.config import HeadConfig
+from eyas.errors import EyasError
+
+# Draft steps written into an export when neither the command line nor the checkpoint says how many.
+DEFAULT_STEPS = 5
+
+State = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ExportContext:
+    """What a config.json writer needs beyond the head config."""
+
+    dtype: str  # weights dtype name, written as torch_dtype
+    speculative_tokens: int  # draft steps per verification
+    target: dict  # path, architectures, max_position_embeddings, ... of the target when known (else empty)
+    provenance: dict  # the `eyas` block every export carries (engines ignore it)
+
+
+def llama_biases(cfg: HeadConfig, fmt: str) -> bool:
+    """The Llama layer the engines build has biases on q/k/v and o_proj together, or none."""
+    if cfg.qkv_bias != cfg.o_bias:
+        raise EyasError(f"the draft has biases on q/k/v but not on o_proj (target family '{cfg.target_model_type}'); "
+                        f"the Llama layer {fmt} builds for a {cfg.kind} draft has both or neither")
+    return bool(cfg.qkv_bias)
+
+
+def _same(name: str) -> str:
+    return name
+
+
+def _unchanged(state: State, cfg: HeadConfig) -> State:
+    return state
+
+
+def _no_step_check(cfg: HeadConfig, steps: int) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class FormatSpec:
+    """How one engine's format holds one head kind."""
+
+    architecture: str  # config.json `architectures[0]`, which selects the engine's draft model class
+    method: str  # vLLM's --speculative-config `method`, or SGLang's --speculative-algorithm
+    shapes: Callable[[HeadConfig, bool], dict[str, tuple]]  # (config, attention biases) -> every tensor read
+    config: Callable[[HeadConfig, ExportContext], dict]  # the config.json the engine reads
+    # (config, format) -> whether the layer carries attention biases; raises for a pattern it cannot hold
+    biases: Callable[[HeadConfig, str], bool] = llama_biases
+    to_engine: Callable[[str], str] = _same  # eyas state_dict name -> exported name
+    to_eyas: Callable[[str], str] = _same  # exported name -> eyas state_dict name
+    prepare: Callable[[State, HeadConfig], State] = _unchanged  # rewrites the state before mapping
+    restore: Callable[[State, HeadConfig], State] = _unchanged  # undoes `prepare` when read back
+    check_steps: Callable[[HeadConfig, int], None] = _no_step_check  # refusals that depend on the step count
+    serve_flags: str = ""  # extra flags of the serving command
+    aliases: tuple[str, ...] = ()  # other architectures the config writer may name (per target family)
+
+
+def _no_kind_check(cfg: HeadConfig, where: str) -> None:
+    return None
+
+
+def _default_steps(cfg: HeadConfig) -> int:
+    return DEFAULT_STEPS
+
+
+def read_llama(config: dict, fmt: str) -> dict:
+    """The kind-specific HeadConfig fields of a plain Llama-layout config.json (one layer, full vocabulary)."""
+    return {"layer": config, "aux_layers": [], "num_layers": 1,
+            "draft_vocab_size": int(config.get("draft_vocab_size") or config["vocab_size"])}
+
+
+@dataclass(frozen=True)
+class KindExport:
+    """Everything `eyas export` needs to know about one head kind."""
+
+    formats: dict[str, FormatSpec]
+    # the head's frozen copies of target tensors, which the engines take from the target: not written
+    from_target: frozenset[str]
+    # refusals from the head config alone, before the weights are read; `where` names the checkpoint
+    check: Callable[[HeadConfig, str], None] = _no_kind_check
+    # draft steps when neither the command line nor the checkpoint's ttt_steps says
+    default_steps: Callable[[HeadConfig], int] = _default_steps
+    # (exported config.json, format) -> {"layer": the dict of Llama fields, "aux_layers", "num_layers",
+    # "draft_vocab_size", and any variant fields}: what the read-back head config takes from the kind's layout
+    read_config: Callable[[dict, str], dict] = read_llama
+
+
+# ----------------------------------------------------------------------------- Llama building blocks
+
+
+def attention_shapes(cfg: HeadConfig, prefix: str, in_features: int, bias: bool) -> dict[str, tuple]:
+    """q/k/v/o projections of a Llama attention reading `in_features`, under `prefix`."""
+    q = cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    shapes = {f"{prefix}q_proj.weight": (q, in_features), f"{prefix}k_proj.weight": (kv, in_features),
+              f"{prefix}v_proj.weight": (kv, in_features), f"{prefix}o_proj.weight": (cfg.hidden_size, q)}
+    if bias:
+        shapes.update({f"{prefix}q_proj.bias": (q,), f"{prefix}k_proj.bias": (kv,), f"{prefix}v_proj.bias": (kv,),
+                       f"{prefix}o_proj.bias": (cfg.hidden_size,)})
+    return shapes
+
+
+def mlp_shapes(cfg: HeadConfig, prefix: str) -> dict[str, tuple]:
+    """gate/up/down projections of a Llama MLP, under `prefix`."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return {f"{prefix}gate_proj.weight": (i, h), f"{prefix}up_proj.weight": (i, h), f"{prefix}down_proj.weight": (h, i)}
+
+
+def rope_fields(cfg: HeadConfig) -> dict:
+    """`rope_theta` + `rope_scaling` (None for plain RoPE), the fields every engine reads."""
+    params = dict(cfg.rope_parameters)
+    theta = float(params.pop("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    scaling = None if rope_type == "default" else dict(params, rope_type=rope_type)
+    return {"rope_theta": theta, "rope_scaling": scaling}
+
+
+def llama_fields(cfg: HeadConfig, num_layers: int, dtype: str) -> dict:
+    """A Llama config.json's fields for the head's layer shapes (key order is the written order)."""
+    bias = bool(cfg.qkv_bias and cfg.o_bias)
+    return {
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "num_hidden_layers": num_layers,
+        "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        **rope_fields(cfg),
+        "vocab_size": cfg.vocab_size,
+        "attention_bias": bias,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype,
+    }
+
+
+def llama_config(architecture: str, cfg: HeadConfig, ctx: ExportContext, num_layers: int = 1) -> dict:
+    """The plain Llama config.json (architecture first, the layer's fields) most formats start from."""
+    return {"architectures": [architecture], **llama_fields(cfg, num_layers, ctx.dtype)}

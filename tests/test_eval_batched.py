@@ -1,0 +1,201 @@
+"""Many prompts at once (`eyas.eval.batched`): every row is exact on its own.
+
+* T=0: each row of a batch (prompts of 3 to 41 tokens, rows stopping at EOS or at the token
+  limit at different rounds) equals its prompt's own greedy decode (HF `generate`) and the
+  one-at-a-time decoder's output, with the same acceptance counts per round and per depth
+  (fp32, tiny Llama and Qwen2; drafts that accept everything, some, or almost nothing).
+* The batched drafts (truncated target, eagle, eagle3) give the same logits per row as the
+  one-at-a-time drafts through start / expand / ragged commits.
+* T>0: row b with seed s reproduces `SpeculativeDecoder(seed=s)` on that prompt alone, and
+  over 40,000 rows of one context the second and third tokens follow the target's own
+  distribution (TV < 0.01, rows accepting 0, 1 or 2 draft tokens in the same verify; slow).
+* `evaluate(batch_size=k)` gives the same acceptance figures as one at a time, a `prompts_per_s`,
+  and runs an unbatched draft x shape one at a time with the reason.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from fixtures import build_tiny_target
+from test_eval_exact import CONTEXT, VOCAB, tiny_vocab_target, tv
+from test_eval_heads import make_checkpoint
+
+from eyas.config import load_recipe
+from eyas.decode import SamplingParams, process_logits, stop_token_ids
+from eyas.errors import EyasError
+from eyas.eval.batched import BatchedDecoder, batched_draft
+from eyas.eval.decoder import SpeculativeDecoder, target_decode_batch, target_generate
+from eyas.eval.drafts import LMDraft, truncated_target
+from eyas.eval.head_draft import load_head_draft
+from eyas.eval.prompts import Prompt
+from eyas.eval.runner import EncodedPrompt, evaluate
+from eyas.eval.tree import parse_shape
+
+torch.set_num_threads(1)
+GREEDY = SamplingParams(0.0)
+LENGTHS = [3, 9, 20, 41, 5, 12]
+
+
+def load(path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def prompts(vocab: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in LENGTHS]
+
+
+def assert_rows_match_one_at_a_time(target, draft, spec, params, eos, cases, new_tokens, greedy_refs=None):
+    shape = parse_shape(spec)
+    seeds = [11 + i for i in range(len(cases))]
+    batch = BatchedDecoder(target, draft, shape, params, eos).generate(cases, new_tokens, seeds)
+    for i, (prompt, row) in enumerate(zip(cases, batch)):
+        single = SpeculativeDecoder(target, draft, shape, params, eos, seed=seeds[i]).generate(prompt, new_tokens)
+        where = f"{draft.name} {spec} T={params.temperature} row {i} ({len(prompt)} prompt tokens)"
+        assert row.tokens == single.tokens, where
+        assert (row.accepted, row.attempts, row.accepts, row.tree_sizes) == \
+               (single.accepted, single.attempts, single.accepts, single.tree_sizes), where
+        if greedy_refs is not None:
+            assert row.tokens == greedy_refs[i], where
+    return batch
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_batched_greedy_rows_equal_their_own_greedy_decode(family, tiny_llama_dir, tiny_qwen2_dir, tmp_path):
+    target, _ = load(tiny_llama_dir if family == "llama" else tiny_qwen2_dir)
+    other, _ = load(build_tiny_target(tmp_path / "other", family, seed=99))
+    cases = prompts(target.config.vocab_size)
+    # an EOS the target emits early for one prompt, so that row leaves the batch while the others go on
+    stop = target_generate(target, cases[2], 30, GREEDY, [])[5]
+    eos = [stop]
+    references = [target_generate(target, p, 30, GREEDY, eos) for p in cases]
+    assert min(len(r) for r in references) < 30 == max(len(r) for r in references)
+    drafts = [LMDraft(truncated_target(target, target.config.num_hidden_layers), "copy"),
+              LMDraft(truncated_target(target, 2), "truncated:2"), LMDraft(other, "random")]
+    accepted = {}
+    for draft, spec in [(drafts[0], "chain:4"), (drafts[1], "chain:4"), (drafts[1], "chain:1"), (drafts[2], "chain:4")]:
+        rows = assert_rows_match_one_at_a_time(target, draft, spec, GREEDY, eos, cases, 30, references)
+        accepted[(draft.name, spec)] = sum(sum(r.accepted) for r in rows) / sum(r.rounds for r in rows)
+    # acceptance was ragged for real: the copy accepts whole chains, the random model almost nothing
+    assert accepted[("copy", "chain:4")] > 3.0 and accepted[("random", "chain:4")] < 1.0
+    assert target_decode_batch(target, cases, 30, GREEDY, [stop]) == [target_generate(target, p, 30, GREEDY, [stop])
+                                                                     for p in cases]
+
+
+def test_batched_sampling_rows_reproduce_their_own_seeded_decode(tiny_llama_dir):
+    target, _ = load(tiny_llama_dir)
+    eos = stop_token_ids(target)
+    cases = prompts(target.config.vocab_size, seed=1)
+    copy = LMDraft(truncated_target(target, target.config.num_hidden_layers), "copy")
+    for params, draft in ((SamplingParams(0.8), LMDraft(truncated_target(target, 2), "truncated:2")),
+                          (SamplingParams(1.0, top_p=0.9, top_k=20), copy)):
+        assert_rows_match_one_at_a_time(target, draft, "chain:3", params, eos, cases, 25)
+
+
+HEADS = [("eagle3", True), ("eagle", False)]
+
+
+@pytest.mark.parametrize("kind,reduced", HEADS, ids=["eagle3", "eagle"])
+def test_batched_head_draft_logits_equal_one_at_a_time(tmp_path, tiny_qwen2_dir, kind, reduced):
+    """Start, two chain nodes, then a ragged commit (0, 1 and 2 accepted tokens), then a node again."""
+    target, tokenizer = load(tiny_qwen2_dir)
+    draft = load_head_draft(make_checkpoint(tmp_path / "ckpt", tiny_qwen2_dir, kind, "chain", reduced), target, tokenizer)
+    generator = torch.Generator().manual_seed(5)
+    lengths = [4, 17, 9]
+    sequences = [torch.randint(3, target.config.vocab_size, (n + 6,), generator=generator) for n in lengths]
+    with torch.inference_mode():
+        features = [torch.cat([target(s[None], output_hidden_states=True).hidden_states[i][0]
+                               for i in draft.feature_layers], dim=-1) for s in sequences]
+        prompts_, roots = [s[:n].tolist() for s, n in zip(sequences, lengths)], [int(s[n]) for s, n in zip(sequences, lengths)]
+        width = max(lengths)
+        padded = torch.stack([torch.cat([f[:1].expand(width - n, -1), f[:n]]) for f, n in zip(features, lengths)])
+        batch = batched_draft(draft)
+        got = [batch.start(prompts_, roots, padded)]
+        nodes = [[int(s[n + 1]), int(s[n + 2])] for s, n in zip(sequences, lengths)]
+        got += [batch.expand([row[0] for row in nodes]), batch.expand([row[1] for row in nodes])]
+        accepted = [nodes[0][:0], nodes[1][:1], nodes[2][:2]]
+        new_roots = [int(s[n + 1 + len(a)]) for s, n, a in zip(sequences, lengths, accepted)]
+        commit_features = [f[n:n + 1 + len(a)] for f, n, a in zip(features, lengths, accepted)]
+        got += [batch.commit(accepted, new_roots, commit_features), batch.expand([7, 8, 9])]
+        for b, n in enumerate(lengths):
+            want = [draft.start(torch.tensor(prompts_[b]), roots[b], features[b][:n])]
+            want += [draft.expand([-1], [nodes[b][0]])[0], draft.expand([0], [nodes[b][1]])[0]]
+            kept = list(range(min(len(accepted[b]), 2)))
+            want += [draft.commit(kept, accepted[b], new_roots[b], commit_features[b]), draft.expand([-1], [7 + b])[0]]
+            for step, (a, w) in enumerate(zip(got, want)):
+                finite = torch.isfinite(w)
+                assert torch.equal(torch.isfinite(a[b]), finite)
+                assert torch.allclose(a[b][finite], w[finite], atol=1e-5, rtol=1e-5), f"{kind} row {b} call {step}"
+
+
+@pytest.mark.parametrize("kind,reduced", HEADS, ids=["eagle3", "eagle"])
+def test_batched_head_drafts_decode_exactly(tmp_path, tiny_qwen2_dir, kind, reduced):
+    target, tokenizer = load(tiny_qwen2_dir)
+    draft = load_head_draft(make_checkpoint(tmp_path / "ckpt", tiny_qwen2_dir, kind, "chain", reduced), target, tokenizer)
+    eos = stop_token_ids(target)
+    cases = prompts(target.config.vocab_size, seed=2)
+    references = [target_generate(target, p, 20, GREEDY, eos) for p in cases]
+    assert_rows_match_one_at_a_time(target, draft, "chain:3", GREEDY, eos, cases, 20, references)
+    assert_rows_match_one_at_a_time(target, draft, "chain:3", SamplingParams(1.0), eos, cases, 20)
+
+
+@pytest.mark.slow  # about a minute on one core: 40,000 rows
+def test_batched_sampling_follows_the_target_distribution_per_row(tmp_path):
+    """40,000 rows of one context: tokens 2 and 3 (drafted, verified with ragged acceptance) ~ the target's joint."""
+    target = tiny_vocab_target(tmp_path / "tiny_vocab")
+    draft = LMDraft(truncated_target(target, 2), "truncated:2")
+    params = SamplingParams(1.0)
+    pairs = list(itertools.product(range(VOCAB), repeat=2))
+    n = len(CONTEXT)
+    with torch.inference_mode():
+        logits = target(torch.tensor([CONTEXT + [a, b] for a, b in pairs])).logits.float()
+    first = process_logits(logits[0, n - 1], params)
+    second = process_logits(logits[torch.arange(0, len(pairs), VOCAB), n], params)            # [a, t2]
+    third = process_logits(logits[:, n + 1], params).view(VOCAB, VOCAB, VOCAB)             # [a, b, t3]
+    exact = (first[:, None, None] * second[:, :, None] * third).sum(0)                      # joint of (t2, t3)
+    decoder = BatchedDecoder(target, draft, parse_shape("chain:2"), params, eos_token_ids=[])
+    counts, histogram, rows = torch.zeros(VOCAB * VOCAB), [0, 0, 0], 40_000
+    for offset in range(0, rows, 4_000):
+        for result in decoder.generate([CONTEXT] * 4_000, 3, seeds=list(range(offset, offset + 4_000))):
+            counts[result.tokens[1] * VOCAB + result.tokens[2]] += 1
+            histogram[result.accepted[0]] += 1
+    spec_tv = tv(counts.view(VOCAB, VOCAB) / rows, exact)
+    generator = torch.Generator().manual_seed(3)
+    t1 = torch.multinomial(first, rows, replacement=True, generator=generator)
+    t2 = torch.multinomial(second[t1], 1, generator=generator).flatten()
+    t3 = torch.multinomial(third[t1, t2], 1, generator=generator).flatten()
+    plain = torch.zeros(VOCAB * VOCAB).index_add_(0, t2 * VOCAB + t3, torch.ones(rows)).view(VOCAB, VOCAB) / rows
+    print(f"TV(batched, exact)={spec_tv:.4f} TV(plain, exact)={tv(plain, exact):.4f} accepted 0/1/2: {histogram}")
+    assert spec_tv < 0.01 and tv(plain, exact) < 0.01
+    assert min(histogram) > 1_000  # every acceptance count occurred in the same batches
+
+
+def test_evaluate_batched_matches_one_at_a_time(tiny_llama_dir):
+    target, tokenizer = load(tiny_llama_dir)
+    items = [EncodedPrompt(Prompt(f"p{i}", "cat" if i % 2 else "dog", []), ids)
+             for i, ids in enumerate(prompts(target.config.vocab_size, seed=4))]
+    drafts = [LMDraft(truncated_target(target, 2), "truncated:2")]
+    shapes = [parse_shape("chain:3"), parse_shape("tree:[[0],[1],[0,0]]")]
+    one = evaluate(target, tokenizer, drafts, shapes, items, GREEDY, 24, progress=False)
+    many = evaluate(target, tokenizer, drafts, shapes, items, GREEDY, 24, progress=False, batch_size=4)
+    for a, b in zip(one["configs"], many["configs"]):
+        for key in ("alpha", "accepted_histogram", "tokens", "rounds", "attempts", "accepts", "greedy_match"):
+            assert a["overall"][key] == b["overall"][key], (a["label"], key)
+        assert b["overall"]["greedy_match"] == {"matched": len(items), "compared": len(items)}
+        assert b["overall"]["prompts_per_s"] > 0 and a["overall"]["prompts_per_s"] > 0
+        assert b["per_category"]["cat"]["tokens"] == a["per_category"]["cat"]["tokens"]
+    assert [c["batched"] for c in many["configs"]] == [True, False]
+    assert "only chain shapes are batched" in many["configs"][1]["batch_note"]
+    assert many["baseline"]["overall"]["tokens"] == one["baseline"]["overall"]["tokens"]
+
+
+def test_batch_size_must_be_positive(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("run: {name: r}\n")
+    with pytest.raises(EyasError, match="'eval.batch_size' must be > 0"):
+        load_recipe(recipe, ["eval.batch_size=0"])

@@ -1,0 +1,270 @@
+"""`eyas plan`: the 8B recipe's table from its config.json alone, the one-line errors, the fit check that
+training calls, the step count and shard bytes against a real run, and the activation formula against
+what autograd keeps. The prediction against measured peak memory is benchmarks/bench_plan.py's job."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from train_helpers import make_workspace, new_run
+
+from eyas import plan
+from eyas.config import load_recipe
+from eyas.errors import EyasError
+from eyas.train.losses import Teacher
+from eyas.train.ttt import unroll
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE_8B = REPO / "recipes" / "llama3.1-8b-eagle3.yaml"
+
+
+def _bench():
+    """benchmarks/bench_plan.py, for its copy of Llama-3.1-8B's config.json."""
+    sys.path.insert(0, str(REPO / "benchmarks"))  # its `from machine import ...`
+    try:
+        spec = importlib.util.spec_from_file_location("bench_plan", REPO / "benchmarks" / "bench_plan.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+
+
+LLAMA31_8B = _bench().LLAMA31_8B_CONFIG
+
+
+@pytest.fixture()
+def config_8b(tmp_path) -> Path:
+    """A folder holding Llama-3.1-8B-Instruct's config.json and nothing else (no weights, no tokenizer)."""
+    folder = tmp_path / "llama-3.1-8b-config"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA31_8B))
+    return folder
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = plan.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_the_8b_recipe_plans_from_its_config_alone(config_8b, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the recipe's models/Llama-3.1-8B-Instruct is not here
+    code, out, err = _run(capsys, RECIPE_8B, "--gpu", "h100-80gb", "--gpus", "8", "--target-config", config_8b)
+    assert code == 0, err
+    assert "8 x h100-80gb (79.6 GiB each)" in out
+    assert "8.03B parameters (hidden 4096, 32 layers, vocabulary 128256)" in out
+    assert "424.7M trainable + 525.3M frozen parameters, draft vocabulary 32000" in out
+    # four fp8 features of 4096 values + a bf16 scale each, 4-byte ids (vocabulary > 65536), the loss mask
+    assert "shards: 16,397 bytes per token" in out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.split() and line.split()[0] in ("dump", "train", "eval")}
+    assert set(rows) == {"dump", "train", "eval"}
+    assert all("fits" in row and "DOES NOT FIT" not in row for row in rows.values()), out
+    assert "weights 15.0" in rows["dump"]  # 8.03B parameters in bf16
+    assert "steps: unknown" in out and "does not fit" not in out
+
+
+def test_the_8b_draft_matches_the_hand_count(config_8b):
+    """EAGLE-3 on Llama-3.1-8B: fc 3H·H, q/k/v read 2H, o, the gated MLP, the 32000-row lm_head, four norms."""
+    recipe = load_recipe(str(RECIPE_8B))
+    config = plan.read_config(recipe, str(config_8b))
+    h, q, kv, inter, draft_vocab = 4096, 32 * 128, 8 * 128, 14336, 32000
+    trainable = 3 * h * h + 2 * h * q + 2 * (2 * h * kv) + q * h + 3 * h * inter + draft_vocab * h + 4 * h
+    size = plan.draft_size(recipe, config)
+    assert abs(size.trainable / trainable - 1) < 0.01
+    assert size.frozen == 128256 * h  # the target's embedding, frozen in the head
+    assert plan.shapes_of(config).params == 8_030_261_248  # Llama-3.1-8B's published parameter count
+
+
+def test_a_target_class_that_cannot_be_built_is_counted_as_its_layout(config_8b, monkeypatch):
+    """A target whose class needs its folder's code: the Llama-like count gives the same 8.03B."""
+    from transformers import AutoModelForCausalLM
+
+    def needs_code(*args, **kwargs):
+        raise ValueError("this model needs trust_remote_code")
+
+    config = plan.read_config(load_recipe(str(RECIPE_8B)), str(config_8b))
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config", needs_code)
+    assert plan.shapes_of(config).params == 8_030_261_248
+
+
+def test_a_config_json_file_is_enough(config_8b, capsys):
+    code, out, err = _run(capsys, RECIPE_8B, "--target-config", config_8b / "config.json", "--tokens", "600000000",
+                          "--gpus", "8")
+    assert code == 0, err
+    # at least epochs x tokens / (GPUs x grad_accum x token_budget): 10 x 600M / (8 x 1 x 8192)
+    assert f"steps: {math.ceil(10 * 600_000_000 / (8 * 8192)):,} optimizer steps" in out
+    assert f"{600_000_000 * 16397 / 2**30:,.1f} GiB on disk" in out
+
+
+def test_unknown_gpu_is_one_line_naming_the_known_ones(config_8b, capsys):
+    code, out, err = _run(capsys, RECIPE_8B, "--gpu", "h100", "--target-config", config_8b)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "unknown GPU 'h100'" in err and all(name in err for name in plan.GPUS)
+
+
+def test_a_target_without_config_is_one_line_with_the_fix(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = _run(capsys, RECIPE_8B, "--gpu", "h100-80gb")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "models/Llama-3.1-8B-Instruct" in err and "--target-config" in err and "config.json" in err
+
+
+def test_an_unreadable_config_is_one_line(capsys, tmp_path):
+    broken = tmp_path / "config.json"
+    broken.write_text("{not json")
+    code, out, err = _run(capsys, RECIPE_8B, "--target-config", broken)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert str(broken) in err
+
+
+def test_what_does_not_fit_is_named_with_what_would(config_8b, capsys):
+    code, out, err = _run(capsys, RECIPE_8B, "train.token_budget=65536", "--gpu", "h100-80gb", "--gpus", "8",
+                          "--target-config", config_8b)
+    assert code == 0, err
+    problem = out.split("does not fit:\n", 1)[1].strip()
+    assert problem.startswith("train.token_budget=65536 needs ") and "> 79.6 GiB (h100-80gb)" in problem
+    fits = int(problem.split("; train.token_budget=", 1)[1].split(" ")[0])
+    assert 2048 <= fits < 65536
+    recipe = load_recipe(str(RECIPE_8B), [f"train.token_budget={fits}"])
+    config = plan.read_config(recipe, str(config_8b))
+    need = plan.train_need(recipe, config, plan.shapes_of(config), plan.draft_size(recipe, config),
+                           plan.Hardware("cuda", plan.GPUS["h100-80gb"] * plan.MIB, 8))
+    assert need.device_total <= plan.GPUS["h100-80gb"] * plan.MIB
+
+
+def test_refuse_if_too_big_names_the_setting_and_passes_what_fits(config_8b):
+    config = plan.read_config(load_recipe(str(RECIPE_8B)), str(config_8b))
+    memory = plan.GPUS["h100-80gb"] * plan.MIB
+    plan.refuse_if_too_big("train", load_recipe(str(RECIPE_8B)), config, memory, 8)  # the shipped recipe fits
+    with pytest.raises(EyasError) as refused:
+        plan.refuse_if_too_big("train", load_recipe(str(RECIPE_8B), ["train.token_budget=131072"]), config, memory, 8)
+    message = str(refused.value)
+    assert "train.token_budget=131072 needs" in message and "fits" in message
+    # ZeRO-3 over 8 GPUs holds less per GPU than DDP: the same recipe needs less there
+    recipe = load_recipe(str(RECIPE_8B))
+    hw = plan.Hardware("cuda", memory, 8)
+    sizes = plan.shapes_of(config), plan.draft_size(recipe, config)
+    ddp = plan.train_need(recipe, config, *sizes, hw, "ddp").device_total
+    assert plan.train_need(recipe, config, *sizes, hw, "zero3").device_total < ddp
+
+
+def test_accelerate_configs_are_read_for_their_sharding():
+    folder = REPO / "recipes" / "accelerate"
+    assert plan.accelerate_sharding(str(folder / "ddp.yaml")) == "ddp"
+    assert plan.accelerate_sharding(str(folder / "deepspeed_zero2.yaml")) == "zero2"
+    assert plan.accelerate_sharding(str(folder / "deepspeed_zero3.yaml")) == "zero3"
+    assert plan.accelerate_sharding(str(folder / "fsdp.yaml")) == "fsdp"
+
+
+def test_a_running_accelerator_tells_its_sharding():
+    """What training passes to the fit check, from accelerate's state (DistributedType and the ZeRO stage)."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    def accelerator(kind, stage=None):
+        return SimpleNamespace(distributed_type=kind, state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=stage)))
+
+    assert plan.sharding_of(accelerator(DistributedType.MULTI_GPU)) == "ddp"
+    assert plan.sharding_of(accelerator(DistributedType.NO)) == "ddp"
+    assert plan.sharding_of(accelerator(DistributedType.DEEPSPEED, 2)) == "zero2"
+    assert plan.sharding_of(accelerator(DistributedType.DEEPSPEED, 3)) == "zero3"
+    assert plan.sharding_of(accelerator(DistributedType.FSDP)) == "fsdp"
+
+
+# ----------------------------------------------------------------------------- against a real tiny run
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory, tiny_llama_dir):
+    return make_workspace(tmp_path_factory.mktemp("plan"), tiny_llama_dir, 48)
+
+
+def _tiny_recipe(ws, name: str, *extra: str):
+    new_run(ws, name)
+    return load_recipe(None, [f"target.path={ws['target']}", f"run.output_dir={ws['root']}", f"run.name={name}",
+                              "dump.draft_vocab_size=128", "dump.encoding=bf16", "data.max_length=96",
+                              "train.token_budget=400", "train.ttt_steps=2", "train.loader_workers=0", *extra])
+
+
+def test_steps_and_shard_bytes_match_the_trainer_and_the_dump(workspace, monkeypatch):
+    """The step count from the prepared data is the trainer's; bytes per token are the dump's (plus its
+    per-sample offsets, indices and checksums). On a CPU the trainer never calls the fit check."""
+    from eyas.train import loop
+
+    def never(*args, **kwargs):
+        raise AssertionError("the fit check ran on a CPU")
+
+    monkeypatch.setattr(loop, "refuse_if_too_big", never)
+    recipe = _tiny_recipe(workspace, "steps", "train.epochs=3", "train.grad_accum=2")
+    trainer = loop.Trainer(recipe)
+    lengths = plan.prepared_lengths(recipe)
+    steps, how = plan.optimizer_steps(recipe, 1, lengths["train"], None)
+    assert steps == trainer.total_steps and "from" in how
+    manifest = json.loads((recipe.run_dir / "shards" / "manifest.json").read_text())
+    per_token = sum(plan.shard_bytes(recipe, plan.read_config(recipe)).values())
+    assert per_token == 4 * 64 * 2 + 2 + 1  # three fused layers + last hidden in bf16, uint16 ids, the mask
+    overhead = manifest["bytes_per_token"] - per_token
+    assert 0 < overhead < 24 * manifest["num_samples"] / manifest["num_tokens"] + 0.2 * per_token
+
+
+# ----------------------------------------------------------------------------- the activation formula
+
+
+def _kept_by_autograd(kind: str, regime: str, steps: int, tokens: int = 96) -> tuple[int, float]:
+    """(bytes of the tensors autograd keeps for one unroll, the plan's figure for them) on a small head."""
+    from transformers import LlamaConfig
+
+    from eyas.draft.registry import build_head
+
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=8, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=4096, architectures=["LlamaForCausalLM"])
+    recipe = load_recipe(None, [f"draft.kind={kind}", f"draft.num_steps={steps}", f"train.ttt_steps={steps}",
+                                "dump.draft_vocab_size=256"])
+    d2t = torch.zeros(256, dtype=torch.long)
+    torch.manual_seed(0)
+    head = build_head(recipe.draft, config, [2, 4, 5], d2t)
+    if regime == "half":
+        head = head.to(torch.bfloat16)
+    batch = {"input_ids": torch.randint(0, 512, (1, tokens)), "loss_mask": torch.ones(1, tokens),
+             "attention_mask": torch.ones(1, tokens, dtype=torch.long), "aux_hidden": torch.randn(1, tokens, 192),
+             "last_hidden": torch.randn(1, tokens, 64)}
+    known = {t.untyped_storage().data_ptr() for t in [*head.parameters(), *batch.values()]}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in known:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=regime == "autocast"):
+            unroll(head, batch, Teacher(torch.randn(512, 64), d2t, 2048), steps, {"forward_kl": 1.0})
+    precision = {"fp32": plan.Precision("fp32", "no", 4, 4, 4, False),
+                 "autocast": plan.Precision("autocast", "bf16", 4, 4, 2, True),
+                 "half": plan.Precision("half", "bf16", 2, 2, 2, False)}[regime]
+    s, d = plan.shapes_of(config), plan.draft_size(recipe, config)
+    feature_width = 192 if kind == "eagle3" else 64
+    predicted = (plan.unroll_bytes(s, d, precision, steps, tokens, tokens, False, False)
+                 + plan.projection_bytes(s, d, precision, tokens, feature_width)
+                 + tokens * (4 * d.draft_vocab + 4)  # the teacher's probabilities and the loss weights
+                 + (2 * d.trainable if precision.casts else 0))  # autocast's cached half weights
+    return sum(kept.values()), predicted
+
+
+@pytest.mark.parametrize("kind,regime,bound", [("eagle3", "fp32", 0.01), ("eagle3", "half", 0.01),
+                                                ("eagle3", "autocast", 0.05), ("mtp", "fp32", 0.01),
+                                                ("mtp", "autocast", 0.05), ("mtp", "half", 0.1)])
+def test_the_unroll_formula_is_what_autograd_keeps(kind, regime, bound):
+    """Three unrolled steps through the fused attention: the formula counts the kept tensors' bytes."""
+    measured, predicted = _kept_by_autograd(kind, regime, steps=3)
+    assert abs(measured / predicted - 1) <= bound, (measured, predicted)
