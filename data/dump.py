@@ -473,11 +473,12 @@ def _report(manifest: dict | None, root: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     # command line only: the stage's library functions do not need the CLI helpers
     from eyas import stages
-    from eyas.cli import STAGES, stage_main, stage_parser  # likewise
+    from eyas.cli import stage_main, stage_parser  # likewise
+    from eyas.pipeline import COMMANDS
 
     # A flag, not a recipe key: the stage record would count a toggled key as a change of the
     # dump's settings and make the training behind it stale.
-    parser = stage_parser("eyas dump", STAGES["dump"][1])
+    parser = stage_parser("eyas dump", COMMANDS["dump"].help)
     parser.add_argument("--reverify", action="store_true",
                         help="hash every finished shard again and redo corrupt ones (a rerun otherwise trusts shards "
                              "whose sidecar, size and header fit); runs the stage even if it is current")

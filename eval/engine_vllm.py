@@ -334,7 +334,7 @@ def format_parity(report: dict) -> str:
                      f"{'within' if row['within_tolerance'] else 'OUTSIDE'}")
     vt, et = report.get("vllm_target") or {}, report.get("eyas_target") or {}
     lines.append(f"target alone: vLLM {vt.get('tokens_per_s', 0):.2f} tok/s (batched), "
-                 f"eyas {et.get('tokens_per_s') or 0:.2f} tok/s (one prompt at a time)")
+                 f"eyas {et.get('tokens_per_s') or 0:.2f} tok/s (batched as eval.batch_size says)")
     if "eyas_target_equals_vllm_target" in report:
         lines.append(f"target outputs equal across engines: {report['eyas_target_equals_vllm_target']} of "
                      f"{report.get('prompts')}")

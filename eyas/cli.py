@@ -26,10 +26,6 @@ from eyas.config import load_recipe, save_resolved
 from eyas.errors import EyasError
 from eyas.pipeline import COMMANDS
 
-# subcommand -> (module with main(argv), one-line help): a view of the command table (eyas.pipeline), which
-# this module dispatches from; eyas.data.dump, which builds its own parser, takes its help line here.
-STAGES: dict[str, tuple[str, str]] = {name: (command.module, command.help) for name, command in COMMANDS.items()}
-
 
 def stage_parser(prog: str, description: str, recipe_required: bool = True, force: bool = True,
                  epilog: str | None = None) -> argparse.ArgumentParser:

@@ -326,7 +326,7 @@ CHOICES = {
     "dump.encoding": ("bf16", "fp16", "fp8", "int8", "int4"),
     "dump.low_layer_encoding": ("", "bf16", "fp16", "fp8", "int8", "int4"),
     "dump.teacher": ("last_hidden", "topk"),
-    "draft.kind": ("eagle", "eagle3", "mtp"),
+    "draft.kind": tuple(KIND_RULES),  # one line per kind in eyas/draft/kinds.py
     "draft.mtp_feed": ("chain", "target"),
     "train.source": ("shards", "online"),
     "train.mixed_precision": ("auto", "fp32", "no", "bf16", "fp16"),

@@ -130,7 +130,10 @@ def test_batched_head_draft_logits_equal_one_at_a_time(tmp_path, tiny_qwen2_dir,
             for step, (a, w) in enumerate(zip(got, want)):
                 finite = torch.isfinite(w)
                 assert torch.equal(torch.isfinite(a[b]), finite)
-                assert torch.allclose(a[b][finite], w[finite], atol=1e-5, rtol=1e-5), f"{kind} row {b} call {step}"
+                # fp32 over a batch runs other matmul shapes (kernels pick their blocking by shape): measured up to
+                # 3.3e-5 on logits of magnitude 30 with AMX, so the tolerance is relative to the row's largest logit.
+                scale = max(1.0, w[finite].abs().max().item())
+                assert torch.allclose(a[b][finite], w[finite], atol=1e-5 * scale, rtol=1e-5), f"{kind} row {b} call {step}"
 
 
 @pytest.mark.parametrize("kind,reduced", HEADS, ids=["eagle3", "eagle"])

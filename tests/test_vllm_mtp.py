@@ -129,7 +129,9 @@ def measure(checkpoint: Path, out: Path, dtype: str = "float32") -> dict:
     assert len(encoded) >= 8, f"only {len(encoded)} prompts"
     head = make_draft(str(checkpoint), target, tokenizer, greedy, target_path="smollm2-135m-instruct")
     # With the target-alone baseline: eyas's own drafted outputs are checked against its greedy decode too.
-    builtin = evaluate(target, tokenizer, [head], shapes, encoded, greedy, NEW_TOKENS, baseline=True, progress=False)
+    # The target-alone baseline decodes the prompts as one batch; an mtp head still decodes them one at a time.
+    builtin = evaluate(target, tokenizer, [head], shapes, encoded, greedy, NEW_TOKENS, baseline=True, progress=False,
+                       batch_size=len(encoded))
     eos = stop_token_ids(target, tokenizer)
 
     target_dir = resolve_target_path("smollm2-135m-instruct")
