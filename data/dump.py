@@ -67,6 +67,7 @@ from eyas.draft.features import FUSED_LAYERS, LAST_HIDDEN
 from eyas.draft.registry import head_class
 from eyas.errors import EyasError
 from eyas.io import atomic_write_json, remove_stale_temps
+from eyas.pipeline import COMMANDS
 from eyas.targets import IDENTITY_SCHEME, load_target, target_identity
 
 PLAN = "plan.json"
@@ -474,7 +475,6 @@ def main(argv: list[str] | None = None) -> int:
     # command line only: the stage's library functions do not need the CLI helpers
     from eyas import stages
     from eyas.cli import stage_main, stage_parser  # likewise
-    from eyas.pipeline import COMMANDS
 
     # A flag, not a recipe key: the stage record would count a toggled key as a change of the
     # dump's settings and make the training behind it stale.
