@@ -102,6 +102,13 @@ def test_weight_difference_is_zero_only_for_equal_weights():
     assert diff["rel_to_update"] == pytest.approx(0.4 / 4.0)  # against ||full - before|| = 4
 
 
+def test_resume_is_bitwise_for_ddp_on_the_cpu_and_a_ratio_elsewhere(ctx):
+    assert gpu_check.resume_tolerance(ctx, "ddp.yaml") == "bitwise"
+    assert gpu_check.resume_tolerance(ctx, "deepspeed_zero2.yaml") == gpu_check.RESUME_REL_TOL
+    ctx.cuda = True
+    assert gpu_check.resume_tolerance(ctx, "ddp.yaml") == gpu_check.RESUME_REL_TOL
+
+
 def test_synthetic_chats_are_deterministic_conversations():
     rows = gpu_check.synthetic_chats(12, seed=3)
     assert rows == gpu_check.synthetic_chats(12, seed=3) and rows != gpu_check.synthetic_chats(12, seed=4)
