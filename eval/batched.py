@@ -274,7 +274,8 @@ def batch_unsupported(draft, shape: Shape) -> str | None:
         return f"draft '{draft.name}': the mixture test draft runs one prompt at a time"
     if isinstance(draft, (LMDraft, SharedLayerDraft)):
         return None
-    return f"draft '{draft.name}': only truncated/LM and eagle/eagle3 drafts are batched (mtp keeps per-layer frontiers)"
+    return (f"draft '{draft.name}': only truncated/LM and eagle/eagle3 drafts are batched (mtp keeps per-layer "
+            "frontiers; dflash keeps per-row contexts and blocks)")
 
 
 def batched_draft(draft):

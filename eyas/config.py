@@ -181,8 +181,13 @@ class DumpConfig:
 
 @dataclass
 class DraftConfig:
-    kind: str = _doc("Draft head: eagle (EAGLE-1), eagle3 (EAGLE-3) or mtp (one layer per step).", "eagle3")
-    num_steps: int = _doc("mtp: independent layers, one per draft step.", 3)
+    kind: str = _doc("Draft head: eagle (EAGLE-1), eagle3 (EAGLE-3), mtp (one layer per step) or dflash "
+                     "(a block of tokens per forward).", "eagle3")
+    num_steps: int = _doc("mtp: independent layers, one per draft step; dflash: mask slots per block (block size "
+                          "num_steps + 1, the most tokens it drafts per round).", 3)
+    num_layers: int = _doc("dflash: decoder layers of the draft stack.", 1)
+    mask_token_id: int = _doc("dflash: the token whose embedding the mask slots start from (a trained vector "
+                              "replaces it, shipped as mask_embedding.pt); -1: the target's last vocabulary id.", -1)
     mtp_feed: str = _doc("mtp: chain (step k reads step k-1's hidden) or target (every step reads the target's).", "chain")
     intermediate_size: int = _doc("MLP width of the draft layer (0: the target's).", 0)
     use_draft_vocab: bool = _doc(
@@ -341,7 +346,7 @@ CHOICES = {
 LOSS_NAMES = ("forward_kl", "ce", "tv", "jsd", "lk")
 
 _POSITIVE = ["train.lr", "train.token_budget", "train.grad_accum", "train.ttt_steps", "train.teacher_chunk",
-             "train.log_every", "draft.num_steps", "data.max_length", "data.num_proc",
+             "train.log_every", "draft.num_steps", "draft.num_layers", "data.max_length", "data.num_proc",
              "data.regenerate_max_new_tokens", "data.regenerate_batch_size", "dump.token_budget",
              "dump.shard_tokens", "dump.topk", "eval.max_new_tokens", "eval.answer_tokens", "data.self_prompt_temperature", "train.epochs",
              "train.keep_last", "train.eval_batches", "eval.batch_size"]
@@ -667,17 +672,19 @@ def check_against_target(recipe: Recipe, target_config: Any) -> None:
 def check_mtp_unroll(recipe: Recipe) -> None:
     """A layer-per-step draft (mtp) unrolls exactly one training step per layer (train.ttt_steps == draft.num_steps)."""
     steps, layers, kind = recipe.train.ttt_steps, recipe.draft.num_steps, recipe.draft.kind
-    if kind_rules(kind).unroll_per_layer and steps != layers:
+    rules = kind_rules(kind)
+    if rules.unroll_per_layer and steps != layers:
+        unit = rules.step_unit
         if steps > layers:
             raise EyasError(
                 f"recipe key 'train.ttt_steps' is {steps} but an {kind} draft has only "
-                f"draft.num_steps={layers} layers; set train.ttt_steps <= draft.num_steps"
+                f"draft.num_steps={layers} {unit}; set train.ttt_steps <= draft.num_steps"
             )
-        # each layer drafts one step and learns only from its own step of the unroll: the layers
+        # each layer (slot) drafts one step and learns only from its own step of the unroll: those
         # past it would keep their random init, and eval and engines would still draft with them
         raise EyasError(
-            f"recipe key 'train.ttt_steps' is {steps} but the {kind} draft has draft.num_steps={layers} layers: "
-            f"layers {steps + 1}-{layers} would get no gradient and draft at their random init; "
+            f"recipe key 'train.ttt_steps' is {steps} but the {kind} draft has draft.num_steps={layers} {unit}: "
+            f"{unit} {steps + 1}-{layers} would get no gradient and draft at their random init; "
             f"set train.ttt_steps={layers} (or draft.num_steps={steps})"
         )
 

@@ -151,13 +151,14 @@ def head_config_from_export(config: dict) -> dict:
     kind, fmt = exported_kind(config)
     fields = {**{name: False for name in variant_fields()}, **head_class(kind).export.read_config(config, fmt)}
     layer, num_layers = fields.pop("layer"), fields.pop("num_layers")
+    num_steps = fields.pop("num_steps", num_layers)  # a layer per step, unless the kind's layout says otherwise
     rope = {"rope_type": "default", "rope_theta": float(layer["rope_theta"])}
     if layer.get("rope_scaling"):
         rope.update(layer["rope_scaling"])
     bias = bool(layer.get("attention_bias", False))
     return {
         "format": "eyas-draft", "format_version": HEAD_FORMAT_VERSION, "kind": kind,
-        "num_layers": num_layers, "num_steps": num_layers,
+        "num_layers": num_layers, "num_steps": num_steps,
         "mtp_feed": eyas.get("mtp_feed", "chain"),
         "hidden_size": int(layer["hidden_size"]), "intermediate_size": int(layer["intermediate_size"]),
         "num_attention_heads": int(layer["num_attention_heads"]),
@@ -220,6 +221,7 @@ def export_draft(checkpoint: str | Path, fmt: str, out: str | Path, dtype: str =
     state = load_file(str(checkpoint / MODEL_FILE))
     tensors = map_state_dict(state, cfg, fmt)
     tensors = {k: (v.to(DTYPES[dtype]) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
+    side_files = format_spec(cfg.kind, fmt).side_files(state, cfg)
     steps = speculative_tokens or int(meta.get("ttt_steps") or kind_export.default_steps(cfg))
     format_spec(cfg.kind, fmt).check_steps(cfg, steps)
     config = export_config(cfg, fmt, dtype, steps, target)
@@ -229,6 +231,8 @@ def export_draft(checkpoint: str | Path, fmt: str, out: str | Path, dtype: str =
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     save_file(tensors, str(partial / MODEL_FILE), metadata={"format": "pt"})
+    for name, content in side_files.items():
+        torch.save(_cast(content, DTYPES[dtype]), partial / name)
     (partial / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     record = {"source": str(checkpoint.resolve()), "format": fmt, "kind": cfg.kind, "dtype": dtype,
               "tensors": len(tensors), "architecture": config["architectures"][0],
@@ -243,6 +247,13 @@ def export_draft(checkpoint: str | Path, fmt: str, out: str | Path, dtype: str =
         shutil.rmtree(out)
     partial.rename(out)
     return out
+
+
+def _cast(content: Any, dtype: torch.dtype) -> Any:
+    """A side file's tensors in the export's dtype (other values as they are)."""
+    if isinstance(content, dict):
+        return {k: _cast(v, dtype) for k, v in content.items()}
+    return content.to(dtype).contiguous() if isinstance(content, torch.Tensor) and content.is_floating_point() else content
 
 
 def verify_export(directory: Path, cfg: HeadConfig | dict, fmt: str) -> None:
@@ -307,6 +318,8 @@ def load_exported(directory: str | Path, embed_tokens: torch.Tensor, lm_head: to
         raise EyasError(f"'{directory}' does not hold the {fmt} {kind} tensor set: unexpected "
                         f"{sorted(set(tensors) - set(expected))[:3]}, missing {sorted(set(expected) - set(tensors))[:3]}")
     state = spec.restore({spec.to_eyas(name): t for name, t in tensors.items()}, cfg)
+    side = {path.name: torch.load(path, weights_only=True) for path in sorted(directory.glob("*.pt"))}
+    state.update(spec.read_side_files(side, cfg))
     from_target = {"embed_tokens.weight": embed_tokens, "lm_head.weight": lm_head}
     for name in sorted(head_class(kind).export.from_target):
         if from_target.get(name) is None:

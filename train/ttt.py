@@ -20,6 +20,10 @@ without materialising the (k+1)T-wide mask, and tests check it against the dense
 through a DynamicCache. mtp: layer k is its own layer and attends causally to its own
 step's keys (slots s <= t), as DeepSeek-V3's MTP modules do.
 
+A head that drafts a whole block in one forward (`drafts_block`: dflash) is not unrolled: its
+`training_logits` give every step at once (step k at slot t is mask slot k+1 of the block anchored
+at x_{t+1}, so it predicts x_{t+k+2} too), and `_block_scores` scores them as the steps are scored.
+
 Gradients flow through the fed hidden state (step k's loss reaches the weights through
 steps 0..k-1); the fed token is an argmax and carries none.
 
@@ -107,6 +111,8 @@ def unroll(head: DraftHead, batch: dict, teacher: Teacher, steps: int, mix: dict
     if teacher_top is None:
         teacher_top = teacher_dist.top
     labels = teacher.to_draft_ids(ids)
+    if head.drafts_block:
+        return _block_scores(head, batch, steps, teacher_dist, teacher_top, labels, loss_mask, mix)
     positions = torch.arange(seq, device=ids.device).unsqueeze(0).expand(bsz, -1)
     pad = ids.new_zeros(bsz, 1)
     tokens = torch.cat([ids[:, 1:], pad], dim=1)  # x_{t+1} at slot t
@@ -127,6 +133,19 @@ def unroll(head: DraftHead, batch: dict, teacher: Teacher, steps: int, mix: dict
             tokens = head.draft_to_target(drafted)
         else:
             tokens = torch.cat([ids[:, k + 2:], ids.new_zeros(bsz, min(k + 2, seq))], dim=1)[:, :seq]
+    return out
+
+
+def _block_scores(head: DraftHead, batch: dict, steps: int, teacher: TeacherDist, teacher_top, labels, loss_mask,
+                  mix) -> UnrollResult:
+    """A block-drafting head (DFlash): one forward gives every step's logits (step k = mask slot k+1 of
+    the block anchored after slot t), scored exactly as the unroll scores its steps."""
+    out = UnrollResult()
+    for k, logits in enumerate(head.training_logits(batch["input_ids"], batch[head.feature], steps)):
+        for totals, value in zip((out.loss_sums, out.counts, out.correct),
+                                 _score_step(k, logits, logits.detach().argmax(-1), teacher, teacher_top, labels,
+                                             loss_mask, mix)):
+            totals.append(value)
     return out
 
 

@@ -67,6 +67,8 @@ class HeadConfig:
     norm_before_fc: bool = False
     # norm_before_residual: the layer's residual stream is hidden_norm(feature) instead of the feature.
     norm_before_residual: bool = False
+    # dflash only: the token whose embedding row the mask slots carry (a trained `mask_embedding` replaces it)
+    mask_token_id: int = -1
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 

@@ -55,6 +55,14 @@ def _no_step_check(cfg: HeadConfig, steps: int) -> None:
     return None
 
 
+def _no_side_files(state: State, cfg: HeadConfig) -> dict:
+    return {}
+
+
+def _nothing_read(saved: dict, cfg: HeadConfig) -> State:
+    return {}
+
+
 @dataclass(frozen=True)
 class FormatSpec:
     """How one engine's format holds one head kind."""
@@ -70,6 +78,10 @@ class FormatSpec:
     prepare: Callable[[State, HeadConfig], State] = _unchanged  # rewrites the state before mapping
     restore: Callable[[State, HeadConfig], State] = _unchanged  # undoes `prepare` when read back
     check_steps: Callable[[HeadConfig, int], None] = _no_step_check  # refusals that depend on the step count
+    # files beside model.safetensors: (eyas state, config) -> {file name: object for torch.save}
+    side_files: Callable[[State, HeadConfig], dict] = _no_side_files
+    # ({file name: torch.load of it}, config) -> the eyas tensors they hold (`load_exported`)
+    read_side_files: Callable[[dict, HeadConfig], State] = _nothing_read
     serve_flags: str = ""  # extra flags of the serving command
     aliases: tuple[str, ...] = ()  # other architectures the config writer may name (per target family)
 

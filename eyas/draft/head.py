@@ -44,6 +44,8 @@ class DraftHead(nn.Module):
     shares_layer: ClassVar[bool] = True
     # the token a step k > 0 reads in training: its own drafted token ("draft") or the data's ("data")
     default_token_feed: ClassVar[str] = "draft"
+    # drafts a whole block in one forward (DFlash): `training_logits` and `block_logits` instead of `step`
+    drafts_block: ClassVar[bool] = False
     # EAGLE-1 regresses the next feature and trains a single step
     feature_regression: ClassVar[bool] = False
     # may predict over the reduced draft vocabulary (d2t/t2d); else always the target's full one

@@ -31,9 +31,10 @@ class KindRules:
 
     title: str = ""  # how messages name the kind's architecture ("EAGLE-3")
     variants: tuple[Variant, ...] = ()
-    # one layer per draft step, each trained only by its own step: train.ttt_steps defaults to, and
-    # must equal, draft.num_steps
+    # one layer (mtp) or block slot (dflash) per draft step, each trained only by its own step:
+    # train.ttt_steps defaults to, and must equal, draft.num_steps
     unroll_per_layer: bool = False
+    step_unit: str = "layers"  # what draft.num_steps counts, as messages name it
     # trains its lm_head unless `draft.train_lm_head: false` (configs from before that field: this value)
     trains_lm_head: bool = False
 
@@ -46,6 +47,8 @@ KIND_RULES: dict[str, KindRules] = {
         Variant("norm_before_fc", "eagle3_norm_before_fc", ("vllm",)),
         Variant("norm_before_residual", "eagle3_norm_before_residual", ("vllm",)))),
     "mtp": KindRules(title="MTP", unroll_per_layer=True),
+    # one forward drafts the block; the unroll's step k is the block's mask slot k+1, num_steps slots
+    "dflash": KindRules(title="DFlash", unroll_per_layer=True, step_unit="mask slots"),
 }
 
 

@@ -9,6 +9,7 @@ import torch
 
 from eyas.config import default_layers
 from eyas.draft.config import HeadConfig
+from eyas.draft.dflash import DFlashHead
 from eyas.draft.eagle import EagleHead
 from eyas.draft.eagle3 import Eagle3Head
 from eyas.draft.head import DraftHead
@@ -19,6 +20,7 @@ HEADS: dict[str, type[DraftHead]] = {
     "eagle": EagleHead,
     "eagle3": Eagle3Head,
     "mtp": MTPHead,
+    "dflash": DFlashHead,
 }
 KINDS = tuple(HEADS)
 

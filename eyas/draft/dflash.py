@@ -1,0 +1,295 @@
+"""`dflash` (DFlash): a small non-causal stack that drafts a whole block of tokens in one forward.
+
+The block is the anchor token (the last verified one, at position a) followed by K = num_steps
+mask slots at positions a+1..a+K; slot j predicts the token AT its own position, x_{a+j}. Every
+layer's queries are the block's rows; its keys and values are the block's own rows (all of them:
+non-causal inside the block) and the context, which is not run through the stack: the target's
+three fused layers at positions 0..a-1 go through `fc` and `hidden_norm` once, and each layer
+projects them with its own k/v projections (k_norm and RoPE at the context positions). The layers
+are Qwen3-style (q/k RMSNorm per head), the lm_head and the embedding are the target's (frozen),
+and the mask slots carry one trained vector, `mask_embedding` (started from the embedding row of
+`mask_token_id`; any row whose token is mask_token_id takes it, the anchor included, as vLLM does).
+
+Training (`block_logits`, driven by `eyas.train.ttt.unroll` for a head with `drafts_block`): every
+position t is an anchor, with token x_{t+1} at position t+1 and the context f_0..f_t, so block
+slot k+1 predicts x_{t+k+2}: the token and the teacher of unroll step k at slot t, scored and
+weighted (train.ttt_decay**k) exactly as the training-time test scores its steps. One pass, no
+unroll: attention is T*(K+1) queries over T context keys plus K+1 block keys.
+
+Export (`--to vllm`), checked against vLLM 0.32's `model_executor/models/qwen3_dflash.py` and
+`v1/spec_decode/dflash.py` (facts read there, no code copied): architecture `DFlashDraftModel`,
+`model_type: qwen3`, `dflash_config: {mask_token_id, target_layer_ids}` where id j is the OUTPUT
+of target layer j (vLLM adds 1 to capture the input of layer j+1: HF hidden_states index j+1, so
+eyas's fused indices are written minus one); weights `fc.weight` [H, 3H], `hidden_norm.weight`,
+`norm.weight`, `layers.i.self_attn.{q,k,v,o}_proj.weight`, `layers.i.self_attn.{q,k}_norm.weight`
+[head_dim], `layers.i.mlp.{gate,up,down}_proj.weight`, `layers.i.{input,post_attention}_layernorm.weight`;
+no lm_head or embed_tokens (vLLM shares the target's); the mask vector in `mask_embedding.pt`
+({"mask_token_id", "embedding"}), which vLLM substitutes for that token's embedding. No
+`layer_types` or `is_causal`: every layer is then full, non-causal attention. Served with
+`{"method": "dflash", "num_speculative_tokens": K}`, K <= num_steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+from eyas.draft.blocks import mlp, rms_norm
+from eyas.draft.config import HeadConfig
+from eyas.draft.features import FUSED_LAYERS
+from eyas.draft.formats import ExportContext, FormatSpec, KindExport, attention_shapes, mlp_shapes, rope_fields
+from eyas.draft.head import DraftHead
+from eyas.errors import EyasError
+
+VLLM_ARCHITECTURE = "DFlashDraftModel"
+MASK_FILE = "mask_embedding.pt"
+
+# ----------------------------------------------------------------------------- the layers
+
+
+class DFlashAttention(nn.Module):
+    """q/k/v/o projections with a per-head RMSNorm on q and k (Qwen3), over the block and a context."""
+
+    def __init__(self, cfg: HeadConfig) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = LlamaRMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        self.k_norm = LlamaRMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (k_norm, RoPE) and values of rows x [B, N, H]: each [B, kv_heads, N, D]."""
+        k = self.k_norm(self._heads(self.k_proj(x), self.kv_heads))
+        _, k = apply_rotary_pos_emb(k, k, cos, sin)
+        return k, self._heads(self.v_proj(x), self.kv_heads)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context: tuple[torch.Tensor, torch.Tensor],
+                visible: torch.Tensor, rows: int) -> torch.Tensor:
+        """x [B, A*rows, H]: A blocks of `rows` rows each. Each block attends to the context keys its
+        `visible` row [A, S] allows and to all of its own rows."""
+        bsz, n, _ = x.shape
+        blocks = n // rows
+        q = self.q_norm(self._heads(self.q_proj(x), self.heads))
+        q, _ = apply_rotary_pos_emb(q, q, cos, sin)
+        k, v = self.keys_values(x, cos, sin)
+        out = block_attention(q, k, v, *context, visible, blocks, self.head_dim ** -0.5)
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, n, self.heads * self.head_dim))
+
+    def _heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        bsz, n, _ = x.shape
+        return x.view(bsz, n, heads, self.head_dim).transpose(1, 2)
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
+                    visible: torch.Tensor, blocks: int, scale: float) -> torch.Tensor:
+    """Softmax over [visible context keys, the block's own keys] for every query row.
+
+    q [B, h, A*J, D]; k, v [B, kv, A*J, D] (the blocks' rows); ctx_k, ctx_v [B, kv, S, D];
+    visible [A, S] bool. Scores are [A, J, S] + [A, J, J] per head: no (A*J + S)-wide mask."""
+    bsz, heads, n, dim = q.shape
+    rows = n // blocks
+    groups = heads // k.shape[1]
+    k, v, ctx_k, ctx_v = (t.repeat_interleave(groups, dim=1) for t in (k, v, ctx_k, ctx_v))
+    dtype = torch.float32
+    qb = q.view(bsz, heads, blocks, rows, dim).to(dtype)
+    ctx_scores = torch.einsum("bhajd,bhsd->bhajs", qb, ctx_k.to(dtype)) * scale
+    ctx_scores = ctx_scores.masked_fill(~visible[None, None, :, None, :], float("-inf"))
+    own_scores = torch.einsum("bhajd,bhaid->bhaji", qb, k.view(bsz, heads, blocks, rows, dim).to(dtype)) * scale
+    probs = torch.cat([ctx_scores, own_scores], dim=-1).softmax(dim=-1)
+    context = ctx_k.shape[2]
+    out = torch.einsum("bhajs,bhsd->bhajd", probs[..., :context], ctx_v.to(dtype))
+    out = out + torch.einsum("bhaji,bhaid->bhajd", probs[..., context:], v.view(bsz, heads, blocks, rows, dim).to(dtype))
+    return out.reshape(bsz, heads, n, dim).to(q.dtype)
+
+
+class DFlashLayer(nn.Module):
+    """A pre-norm decoder layer (Qwen3 attention) over the block rows, reading the context's keys/values."""
+
+    def __init__(self, cfg: HeadConfig) -> None:
+        super().__init__()
+        self.input_layernorm = rms_norm(cfg)
+        self.self_attn = DFlashAttention(cfg)
+        self.post_attention_layernorm = rms_norm(cfg)
+        self.mlp = mlp(cfg)
+
+    def forward(self, h, cos, sin, context, visible, rows):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, context, visible, rows)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def _shapes(cfg: HeadConfig, bias: bool) -> dict[str, tuple]:
+    h = cfg.hidden_size
+    shapes: dict[str, tuple] = {"fc.weight": (h, 3 * h), "hidden_norm.weight": (h,), "norm.weight": (h,)}
+    for i in range(cfg.num_layers):
+        layer = f"layers.{i}."
+        shapes.update(attention_shapes(cfg, f"{layer}self_attn.", h, bias))
+        shapes[f"{layer}self_attn.q_norm.weight"] = (cfg.head_dim,)
+        shapes[f"{layer}self_attn.k_norm.weight"] = (cfg.head_dim,)
+        shapes.update(mlp_shapes(cfg, f"{layer}mlp."))
+        shapes[f"{layer}input_layernorm.weight"] = (h,)
+        shapes[f"{layer}post_attention_layernorm.weight"] = (h,)
+    return shapes
+
+
+def _vllm_config(cfg: HeadConfig, ctx: ExportContext) -> dict:
+    rope = rope_fields(cfg)
+    return {
+        "architectures": [VLLM_ARCHITECTURE], "model_type": "qwen3",
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim, "num_hidden_layers": cfg.num_layers, "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": cfg.rms_norm_eps, "max_position_embeddings": cfg.max_position_embeddings,
+        # both spellings: transformers 5 reads rope_parameters, and vLLM's Qwen3 defaults a missing theta to 1e6
+        **rope, "rope_parameters": {"rope_type": "default", **(rope["rope_scaling"] or {}), "rope_theta": rope["rope_theta"]},
+        "vocab_size": cfg.vocab_size, "attention_bias": bool(cfg.qkv_bias and cfg.o_bias),
+        "tie_word_embeddings": False, "torch_dtype": ctx.dtype,
+        "block_size": cfg.num_steps + 1, "target_hidden_size": cfg.hidden_size,
+        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": [i - 1 for i in cfg.aux_layers]},
+        "eyas": ctx.provenance,
+    }
+
+
+def _read_config(config: dict, fmt: str) -> dict:
+    dflash = config.get("dflash_config") or {}
+    return {"layer": config, "num_layers": int(config["num_hidden_layers"]),
+            "num_steps": int(config.get("block_size", 2)) - 1, "draft_vocab_size": int(config["vocab_size"]),
+            "aux_layers": [i + 1 for i in dflash.get("target_layer_ids", [])],
+            "mask_token_id": int(dflash["mask_token_id"])}
+
+
+def _check(cfg: HeadConfig, where: str) -> None:
+    depth = cfg.target_hidden_layers
+    bad = [i for i in cfg.aux_layers if not 1 <= i <= depth - 1] if depth else []
+    if bad:
+        raise EyasError(f"'{where}' reads HF hidden_states indices {bad}, which vLLM cannot capture (it takes the "
+                        f"input of a decoder layer: indices 1..{depth - 1}); retrain with dump.layers inside that range")
+
+
+def _check_steps(cfg: HeadConfig, steps: int) -> None:
+    if steps > cfg.num_steps:
+        raise EyasError(f"the DFlash draft was trained with {cfg.num_steps} mask slots (block size {cfg.num_steps + 1}); "
+                        f"it cannot draft {steps} tokens per round: export with --steps {cfg.num_steps} or fewer")
+
+
+def _without_mask(state: dict, cfg: HeadConfig) -> dict:
+    return {name: t for name, t in state.items() if name != "mask_embedding"}
+
+
+def _mask_file(state: dict, cfg: HeadConfig) -> dict[str, Any]:
+    return {MASK_FILE: {"mask_token_id": int(cfg.mask_token_id), "embedding": state["mask_embedding"]}}
+
+
+def _read_mask_file(saved: dict[str, Any], cfg: HeadConfig) -> dict[str, torch.Tensor]:
+    found = saved.get(MASK_FILE)
+    if found is None:
+        raise EyasError(f"a DFlash export needs its {MASK_FILE} (the trained mask vector); export again")
+    return {"mask_embedding": found["embedding"].reshape(-1)}
+
+
+EXPORT = KindExport(
+    formats={"vllm": FormatSpec(VLLM_ARCHITECTURE, "dflash", _shapes, _vllm_config, prepare=_without_mask,
+                                side_files=_mask_file, read_side_files=_read_mask_file, check_steps=_check_steps)},
+    from_target=frozenset({"embed_tokens.weight", "lm_head.weight"}),
+    check=_check,
+    default_steps=lambda cfg: cfg.num_steps,
+    read_config=_read_config,
+)
+
+# ----------------------------------------------------------------------------- the head
+
+
+class DFlashHead(DraftHead):
+    kind = "dflash"
+    feature_spec = FUSED_LAYERS
+    drafts_block = True
+    export = EXPORT
+
+    @classmethod
+    def head_config(cls, draft_cfg, target_config, aux_layers, draft_vocab_size, target_identity) -> HeadConfig:
+        cfg = super().head_config(draft_cfg, target_config, aux_layers, draft_vocab_size, target_identity)
+        mask = int(getattr(draft_cfg, "mask_token_id", -1))
+        if mask >= cfg.vocab_size:
+            raise EyasError(f"recipe key 'draft.mask_token_id' is {mask}, outside the target's vocabulary "
+                            f"(size {cfg.vocab_size}); choose an id below it, or -1 for the last one")
+        return dataclasses.replace(cfg, mask_token_id=mask if mask >= 0 else cfg.vocab_size - 1)
+
+    @classmethod
+    def layers_for(cls, draft_cfg: Any) -> int:
+        return int(draft_cfg.num_layers)
+
+    def _build(self, cfg: HeadConfig) -> None:
+        self.fc = nn.Linear(3 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = rms_norm(cfg)
+        self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = rms_norm(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.mask_embedding = nn.Parameter(torch.zeros(cfg.hidden_size))
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """fc over the three fused target layers [.., 3H] -> [.., H]: the context rows."""
+        return self.fc(features.to(self.fc.weight.dtype))
+
+    def max_depth(self) -> int:
+        return self.config.num_steps
+
+    def _final_norms(self) -> list[nn.Module]:
+        return [self.norm]
+
+    @torch.no_grad()
+    def init_from_target_weights(self, embed, lm_head, norm) -> DFlashHead:
+        super().init_from_target_weights(embed, lm_head, norm)
+        self.mask_embedding.copy_(embed[self.config.mask_token_id].to(self.mask_embedding.dtype))
+        return self
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings, the mask vector wherever the token is mask_token_id."""
+        embeds = self.embed_tokens(input_ids)
+        is_mask = (input_ids == self.config.mask_token_id).unsqueeze(-1)
+        return torch.where(is_mask, self.mask_embedding.to(embeds.dtype), embeds)
+
+    def context(self, projected: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the keys and values of context rows (`project`ed features [B, S, H] at `positions` [S])."""
+        normed = self.hidden_norm(projected)
+        cos, sin = self.rotary_emb(normed, positions[None].expand(normed.shape[0], -1))
+        return [layer.self_attn.keys_values(normed, cos, sin) for layer in self.layers]
+
+    def block_logits(self, anchors: torch.Tensor, anchor_positions: torch.Tensor, context: list, visible: torch.Tensor,
+                     slots: int) -> torch.Tensor:
+        """Logits [B, A, slots, V] of the mask slots of A blocks: anchor tokens [B, A] at `anchor_positions` [A],
+        each block seeing the context rows its `visible` row [A, S] allows (and its own rows)."""
+        bsz, blocks = anchors.shape
+        rows = slots + 1
+        ids = torch.full((bsz, blocks, rows), self.config.mask_token_id, dtype=anchors.dtype, device=anchors.device)
+        ids[:, :, 0] = anchors
+        h = self.embed(ids).view(bsz, blocks * rows, -1)
+        positions = (anchor_positions[:, None] + torch.arange(rows, device=anchors.device)).reshape(-1)
+        cos, sin = self.rotary_emb(h, positions[None].expand(bsz, -1))
+        for layer, layer_context in zip(self.layers, context):
+            h = layer(h, cos, sin, layer_context, visible, rows)
+        h = h.view(bsz, blocks, rows, -1)[:, :, 1:]
+        return self.lm_head(self.norm(h))
+
+    def training_logits(self, input_ids: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Per unroll step k, logits [B, T, V] whose slot t predicts x_{t+k+2}: every position t is an anchor
+        (token x_{t+1} at t+1, context f_0..f_t) and step k is its block's slot k+1."""
+        bsz, seq = input_ids.shape
+        positions = torch.arange(seq, device=input_ids.device)
+        anchors = torch.cat([input_ids[:, 1:], input_ids.new_zeros(bsz, 1)], dim=1)  # the last slot's label is past the end
+        visible = positions[None, :] <= positions[:, None]
+        logits = self.block_logits(anchors, positions + 1, self.context(self.project(features), positions), visible, steps)
+        return list(logits.unbind(dim=2))
+
+    def step(self, *args, **kwargs):
+        raise EyasError("a DFlash draft drafts a whole block at once (block_logits); it has no single draft step")
+

@@ -1,0 +1,164 @@
+"""The dflash head (a block of tokens per forward): training and eval agree, decoding is lossless,
+training learns, the vLLM export round-trips, and the recipe rules refuse what cannot be served.
+
+vLLM serving it with eyas's acceptance is `tests/test_vllm_parity.py::test_vllm_serves_the_dflash_export`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from eyas.config import DraftConfig, default_layers, from_dict, parse_loss_mix
+from eyas.decode import SamplingParams, stop_token_ids
+from eyas.draft.checkpoint import save_draft
+from eyas.draft.registry import build_head
+from eyas.errors import EyasError
+from eyas.eval.decoder import SpeculativeDecoder, target_generate
+from eyas.eval.head_draft import BlockDraft, load_head_draft
+from eyas.eval.tree import parse_shape
+from eyas.targets import load_target_config, target_identity
+from eyas.train.export import export_draft, load_exported
+from eyas.train.losses import Teacher
+from eyas.train.ttt import unroll
+
+torch.set_num_threads(1)
+GREEDY = SamplingParams(0.0)
+SLOTS = 3
+
+
+def _target(path):
+    return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def _head(target_dir, layers: int = 2, seed: int = 0, sharpen: bool = True):
+    """A random dflash head (SLOTS mask slots) on the target in `target_dir`, sharpened so that logits depend
+    on positions, masks and the mask vector (its lm_head stays the target's: the engines share that one)."""
+    target, tokenizer = _target(target_dir)
+    config = load_target_config(str(target_dir))
+    torch.manual_seed(seed)
+    head = build_head(DraftConfig(kind="dflash", num_steps=SLOTS, num_layers=layers), config,
+                      default_layers(config.num_hidden_layers), None, target_identity(config, tokenizer))
+    head.init_from_target(target)
+    if sharpen:
+        with torch.no_grad():
+            for name, param in head.named_parameters():
+                if name.endswith(("q_proj.weight", "k_proj.weight")):
+                    param.mul_(10.0)
+            head.mask_embedding.normal_()
+    return head, target, tokenizer
+
+
+def _features(target, sequence, layers):
+    with torch.inference_mode():
+        hidden = target(sequence[None], output_hidden_states=True).hidden_states
+    return torch.cat([hidden[i][0] for i in layers], dim=-1)
+
+
+def test_block_draft_equals_the_training_forward(tiny_llama_dir):
+    """The eval adapter's block after root x_L (context cached, extended on commit) gives the logits the
+    training forward gives every slot of the block anchored at L: training and drafting are one computation."""
+    head, target, _ = _head(tiny_llama_dir)
+    draft = BlockDraft(head.eval(), "dflash")
+    sequence = torch.randint(3, target.config.vocab_size, (24,), generator=torch.Generator().manual_seed(1))
+    features = _features(target, sequence, draft.feature_layers)
+    with torch.inference_mode():
+        train = head.training_logits(sequence[None], features[None], SLOTS)
+        L = 12
+        got = [draft.start(sequence[:L], int(sequence[L]), features[:L])]
+        got += [draft.expand([d - 2], [7])[0] for d in range(1, SLOTS)]  # any token: slots do not read them
+        after = draft.commit([0, 1], [int(sequence[L + 1]), int(sequence[L + 2])], int(sequence[L + 3]),
+                             features[L:L + 3])
+    for k in range(SLOTS):
+        torch.testing.assert_close(got[k], train[k][0, L - 1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(after, train[0][0, L + 2], atol=1e-4, rtol=1e-4)
+    with torch.inference_mode():
+        for d in range(1, SLOTS):  # a chain as deep as the slots, after the commit
+            draft.expand([d - 2], [7])
+    with pytest.raises(EyasError, match="3 mask slots"):
+        draft.expand([SLOTS - 2], [7])
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_greedy_with_dflash_equals_target_greedy(tmp_path, tiny_qwen2_dir, layers):
+    head, target, tokenizer = _head(tiny_qwen2_dir, layers=layers)
+    checkpoint = save_draft(tmp_path / "ckpt", head, {"step": 0})
+    draft = load_head_draft(checkpoint, target, tokenizer, target_path=str(tiny_qwen2_dir))
+    eos = stop_token_ids(target)
+    generator = torch.Generator().manual_seed(2)
+    for n_prompt, n_new in ((5, 20), (23, 31)):
+        prompt = torch.randint(3, target.config.vocab_size, (n_prompt,), generator=generator)
+        reference = target_generate(target, prompt, n_new, GREEDY, eos)
+        for spec in ("chain:1", "chain:3", "dynamic:depth=3,topk=2,nodes=6"):
+            result = SpeculativeDecoder(target, draft, parse_shape(spec), GREEDY, eos).generate(prompt, n_new)
+            assert result.tokens == reference, spec
+
+
+def test_training_lowers_the_loss_of_every_slot(tiny_llama_dir):
+    """A few AdamW steps on one batch: every slot's loss falls, and the mask vector is trained."""
+    head, target, _ = _head(tiny_llama_dir, layers=1, sharpen=False)
+    sequence = torch.randint(3, target.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        hidden = target(sequence, output_hidden_states=True).hidden_states
+    batch = {"input_ids": sequence, "loss_mask": torch.ones_like(sequence),
+             "aux_hidden": torch.cat([hidden[i] for i in head.config.aux_layers], dim=-1).clone(),
+             "last_hidden": hidden[-1].clone()}
+    teacher = Teacher(target.get_output_embeddings().weight, None, 64)
+    mix = parse_loss_mix("forward_kl")
+    start_mask = head.mask_embedding.detach().clone()
+    optimizer = torch.optim.AdamW(head.trainable_parameters(), lr=3e-3)
+
+    def losses() -> list[float]:
+        out = unroll(head, batch, teacher, SLOTS, mix)
+        return [float(s / c) for s, c in zip(out.loss_sums, out.counts)], out
+
+    before, _ = losses()
+    for _ in range(40):
+        _, out = losses()
+        sum(s / c for s, c in zip(out.loss_sums, out.counts)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    after, _ = losses()
+    assert all(a < 0.7 * b for a, b in zip(after, before)), (before, after)
+    assert not torch.equal(head.mask_embedding.detach(), start_mask)
+
+
+def test_vllm_export_round_trips(tmp_path, tiny_llama_dir):
+    """`eyas export --to vllm` writes vLLM's native DFlash layout (layer ids as layer outputs, the mask
+    vector beside the weights), and reading it back gives the head's own logits."""
+    head, target, tokenizer = _head(tiny_llama_dir)
+    checkpoint = save_draft(tmp_path / "ckpt", head, {"step": 0, "target_path": str(tiny_llama_dir)})
+    out = export_draft(checkpoint, "vllm", tmp_path / "vllm", dtype="float32", speculative_tokens=SLOTS)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["dflash_config"] == {"mask_token_id": head.config.mask_token_id,
+                                       "target_layer_ids": [i - 1 for i in head.config.aux_layers]}
+    assert config["block_size"] == SLOTS + 1 and config["num_hidden_layers"] == 2
+    mask = torch.load(out / "mask_embedding.pt", weights_only=True)
+    assert mask["mask_token_id"] == head.config.mask_token_id and torch.equal(mask["embedding"], head.mask_embedding.detach())
+    back = load_exported(out, target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    sequence = torch.randint(3, target.config.vocab_size, (16,), generator=torch.Generator().manual_seed(4))
+    features = _features(target, sequence, head.config.aux_layers)
+    with torch.inference_mode():
+        for a, b in zip(head.training_logits(sequence[None], features[None], SLOTS),
+                        back.training_logits(sequence[None], features[None], SLOTS)):
+            torch.testing.assert_close(a, b)
+    with pytest.raises(EyasError, match="trained with 3 mask slots"):
+        export_draft(checkpoint, "vllm", tmp_path / "deep", dtype="float32", speculative_tokens=SLOTS + 1)
+    with pytest.raises(EyasError, match="not a format|dflash"):
+        export_draft(checkpoint, "sglang", tmp_path / "sglang", dtype="float32")
+
+
+def test_recipe_rules():
+    recipe = from_dict({"draft": {"kind": "dflash", "num_steps": 4}})
+    assert recipe.train.ttt_steps == 4  # every mask slot trains
+    with pytest.raises(EyasError, match="mask slots 3-4 would get no gradient"):
+        from_dict({"draft": {"kind": "dflash", "num_steps": 4}, "train": {"ttt_steps": 2}})
+    with pytest.raises(EyasError, match="outside the target's vocabulary"):
+        build_head(DraftConfig(kind="dflash", mask_token_id=10**6),
+                   type("Target", (), {"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
+                                       "vocab_size": 384, "max_position_embeddings": 256, "num_hidden_layers": 6})(),
+                   [1, 3, 5])
