@@ -247,7 +247,9 @@ class BatchedSharedLayerDraft:
 
     def expand(self, tokens: list[int]) -> torch.Tensor:
         self.depth += 1
-        return self._append(self.depth, [[t] for t in tokens], self.parent_hidden[:, None])
+        ids, feature = torch.tensor(tokens, device=self.device)[:, None], self.parent_hidden[:, None]
+        ids, feature = self.head.mask_inputs(ids, feature) or (ids, feature)  # parallel drafting: the mask slot's
+        return self._append(self.depth, ids.tolist(), feature)
 
     def commit(self, accepted: list[list[int]], roots: list[int], features: list[torch.Tensor]) -> torch.Tensor:
         # tree entries were made from draft features: drop them, recompute the accepted pairs as step 0

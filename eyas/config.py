@@ -181,19 +181,21 @@ class DumpConfig:
 
 @dataclass
 class DraftConfig:
-    kind: str = _doc("Draft head: eagle (EAGLE-1), eagle3 (EAGLE-3), mtp (one layer per step) or dflash "
-                     "(a block of tokens per forward).", "eagle3")
+    kind: str = _doc("Draft head: eagle (EAGLE-1), eagle3 (EAGLE-3), mtp (one layer per step), peagle (EAGLE-3 "
+                     "drafting every step from mask slots at once) or dflash (a block of tokens per forward).", "eagle3")
     num_steps: int = _doc("mtp: independent layers, one per draft step; dflash: mask slots per block (block size "
                           "num_steps + 1, the most tokens it drafts per round).", 3)
     num_layers: int = _doc("dflash: decoder layers of the draft stack.", 1)
-    mask_token_id: int = _doc("dflash: the token whose embedding the mask slots start from (a trained vector "
-                              "replaces it, shipped as mask_embedding.pt); -1: the target's last vocabulary id.", -1)
+    mask_token_id: int = _doc("dflash and peagle: the token of the mask slots (dflash trains a vector in place of "
+                              "its embedding, shipped as mask_embedding.pt); -1: the target's last vocabulary id.", -1)
     mtp_feed: str = _doc("mtp: chain (step k reads step k-1's hidden) or target (every step reads the target's).", "chain")
     intermediate_size: int = _doc("MLP width of the draft layer (0: the target's).", 0)
     use_draft_vocab: bool = _doc(
-        "eagle3 and mtp: predict over the reduced draft vocabulary (d2t/t2d); eagle always uses the full one.", True
+        "eagle3, peagle, mtp and dflash: predict over the reduced draft vocabulary (d2t/t2d); eagle always uses "
+        "the full one.", True
     )
-    train_lm_head: bool = _doc("eagle3: train the draft lm_head (initialised from the target's rows); false freezes it.", True)
+    train_lm_head: bool = _doc("eagle3, peagle and dflash: train the draft lm_head (initialised from the target's rows); "
+                               "false freezes it.", True)
     eagle3_norm_before_fc: bool = _doc(
         "eagle3: an RMSNorm over the three fused target layers before fc (vLLM's norm_before_fc; vLLM serves it, "
         "SGLang does not: export with --to vllm).", False)

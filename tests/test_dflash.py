@@ -10,11 +10,13 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eyas.config import DraftConfig, default_layers, from_dict, parse_loss_mix
 from eyas.decode import SamplingParams, stop_token_ids
 from eyas.draft.checkpoint import save_draft
+from eyas.draft.head import init_layers_from_target
 from eyas.draft.registry import build_head
 from eyas.errors import EyasError
 from eyas.eval.decoder import SpeculativeDecoder, target_generate
@@ -34,14 +36,18 @@ def _target(path):
     return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
 
 
-def _head(target_dir, layers: int = 2, seed: int = 0, sharpen: bool = True):
+def _head(target_dir, layers: int = 2, seed: int = 0, sharpen: bool = True, reduced: bool = False):
     """A random dflash head (SLOTS mask slots) on the target in `target_dir`, sharpened so that logits depend
-    on positions, masks and the mask vector (its lm_head stays the target's: the engines share that one)."""
+    on positions, masks and the mask vector; `reduced`: over a 200-token draft vocabulary."""
     target, tokenizer = _target(target_dir)
     config = load_target_config(str(target_dir))
     torch.manual_seed(seed)
+    d2t = None
+    if reduced:
+        kept = torch.randperm(config.vocab_size)[:200].sort().values
+        d2t = kept - torch.arange(len(kept))
     head = build_head(DraftConfig(kind="dflash", num_steps=SLOTS, num_layers=layers), config,
-                      default_layers(config.num_hidden_layers), None, target_identity(config, tokenizer))
+                      default_layers(config.num_hidden_layers), d2t, target_identity(config, tokenizer))
     head.init_from_target(target)
     if sharpen:
         with torch.no_grad():
@@ -82,9 +88,9 @@ def test_block_draft_equals_the_training_forward(tiny_llama_dir):
         draft.expand([SLOTS - 2], [7])
 
 
-@pytest.mark.parametrize("layers", [1, 2])
-def test_greedy_with_dflash_equals_target_greedy(tmp_path, tiny_qwen2_dir, layers):
-    head, target, tokenizer = _head(tiny_qwen2_dir, layers=layers)
+@pytest.mark.parametrize("layers, reduced", [(1, False), (2, True)])
+def test_greedy_with_dflash_equals_target_greedy(tmp_path, tiny_qwen2_dir, layers, reduced):
+    head, target, tokenizer = _head(tiny_qwen2_dir, layers=layers, reduced=reduced)
     checkpoint = save_draft(tmp_path / "ckpt", head, {"step": 0})
     draft = load_head_draft(checkpoint, target, tokenizer, target_path=str(tiny_qwen2_dir))
     eos = stop_token_ids(target)
@@ -126,20 +132,34 @@ def test_training_lowers_the_loss_of_every_slot(tiny_llama_dir):
     assert not torch.equal(head.mask_embedding.detach(), start_mask)
 
 
+def test_layers_start_from_the_target_layer(tiny_llama_dir):
+    """train.draft_init=target_last_layer: every DFlash layer takes the target layer's attention, MLP and
+    norms (names and shapes agree); only the q/k norms, which the target lacks, keep theirs."""
+    head, target, _ = _head(tiny_llama_dir, sharpen=False)
+    source = {name.removeprefix("model.layers.5."): t for name, t in target.state_dict().items()
+              if name.startswith("model.layers.5.")}
+    copied, kept = init_layers_from_target(head, source)
+    assert sorted(kept) == [f"layers.{i}.self_attn.{n}_norm.weight" for i in range(2) for n in ("k", "q")]
+    assert torch.equal(head.layers[1].mlp.down_proj.weight, source["mlp.down_proj.weight"]) and len(copied) == 2 * 9
+
+
 def test_vllm_export_round_trips(tmp_path, tiny_llama_dir):
-    """`eyas export --to vllm` writes vLLM's native DFlash layout (layer ids as layer outputs, the mask
-    vector beside the weights), and reading it back gives the head's own logits."""
-    head, target, tokenizer = _head(tiny_llama_dir)
+    """`eyas export --to vllm` writes vLLM's native DFlash layout (layer ids as layer outputs, the reduced
+    vocabulary's lm_head and d2t, the mask vector beside the weights), and reading it back gives the head's
+    own logits."""
+    head, target, tokenizer = _head(tiny_llama_dir, reduced=True)
     checkpoint = save_draft(tmp_path / "ckpt", head, {"step": 0, "target_path": str(tiny_llama_dir)})
     out = export_draft(checkpoint, "vllm", tmp_path / "vllm", dtype="float32", speculative_tokens=SLOTS)
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
     assert config["dflash_config"] == {"mask_token_id": head.config.mask_token_id,
                                        "target_layer_ids": [i - 1 for i in head.config.aux_layers]}
-    assert config["block_size"] == SLOTS + 1 and config["num_hidden_layers"] == 2
+    assert config["block_size"] == SLOTS + 1 and config["num_hidden_layers"] == 2 and config["draft_vocab_size"] == 200
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert {"lm_head.weight", "d2t", "t2d"} <= set(f.keys()) and "embed_tokens.weight" not in set(f.keys())
     mask = torch.load(out / "mask_embedding.pt", weights_only=True)
     assert mask["mask_token_id"] == head.config.mask_token_id and torch.equal(mask["embedding"], head.mask_embedding.detach())
-    back = load_exported(out, target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    back = load_exported(out, target.get_input_embeddings().weight)
     sequence = torch.randint(3, target.config.vocab_size, (16,), generator=torch.Generator().manual_seed(4))
     features = _features(target, sequence, head.config.aux_layers)
     with torch.inference_mode():

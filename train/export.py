@@ -271,7 +271,8 @@ def serve_command(fmt: str, kind: str, target: str, out: Path, steps: int) -> st
     """The command that serves the export (`vllm serve`, or SGLang's launch_server)."""
     spec = format_spec(kind, fmt)
     if fmt == "vllm":
-        config = json.dumps({"model": str(out), "method": spec.method, "num_speculative_tokens": steps})
+        config = json.dumps({"model": str(out), "method": spec.method, "num_speculative_tokens": steps,
+                             **spec.speculative_extra})
         return f"vllm serve {target} --speculative-config '{config}'"
     return (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {spec.method} "
             f"--speculative-draft-model-path {out} --speculative-num-steps {steps} "

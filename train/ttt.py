@@ -133,6 +133,7 @@ def unroll(head: DraftHead, batch: dict, teacher: Teacher, steps: int, mix: dict
             tokens = head.draft_to_target(drafted)
         else:
             tokens = torch.cat([ids[:, k + 2:], ids.new_zeros(bsz, min(k + 2, seq))], dim=1)[:, :seq]
+        tokens, feature = head.mask_inputs(tokens, feature) or (tokens, feature)
     return out
 
 

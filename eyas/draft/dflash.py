@@ -6,9 +6,11 @@ layer's queries are the block's rows; its keys and values are the block's own ro
 non-causal inside the block) and the context, which is not run through the stack: the target's
 three fused layers at positions 0..a-1 go through `fc` and `hidden_norm` once, and each layer
 projects them with its own k/v projections (k_norm and RoPE at the context positions). The layers
-are Qwen3-style (q/k RMSNorm per head), the lm_head and the embedding are the target's (frozen),
-and the mask slots carry one trained vector, `mask_embedding` (started from the embedding row of
-`mask_token_id`; any row whose token is mask_token_id takes it, the anchor included, as vLLM does).
+are Qwen3-style (q/k RMSNorm per head), the embedding is the target's (frozen), the lm_head starts
+from the target's rows (over the reduced draft vocabulary with `draft.use_draft_vocab`, as eagle3's;
+trained unless `draft.train_lm_head: false`), and the mask slots carry one trained vector,
+`mask_embedding` (started from the embedding row of `mask_token_id`; any row whose token is
+mask_token_id takes it, the anchor included, as vLLM does).
 
 Training (`block_logits`, driven by `eyas.train.ttt.unroll` for a head with `drafts_block`): every
 position t is an anchor, with token x_{t+1} at position t+1 and the context f_0..f_t, so block
@@ -22,8 +24,10 @@ Export (`--to vllm`), checked against vLLM 0.32's `model_executor/models/qwen3_d
 of target layer j (vLLM adds 1 to capture the input of layer j+1: HF hidden_states index j+1, so
 eyas's fused indices are written minus one); weights `fc.weight` [H, 3H], `hidden_norm.weight`,
 `norm.weight`, `layers.i.self_attn.{q,k,v,o}_proj.weight`, `layers.i.self_attn.{q,k}_norm.weight`
-[head_dim], `layers.i.mlp.{gate,up,down}_proj.weight`, `layers.i.{input,post_attention}_layernorm.weight`;
-no lm_head or embed_tokens (vLLM shares the target's); the mask vector in `mask_embedding.pt`
+[head_dim], `layers.i.mlp.{gate,up,down}_proj.weight`, `layers.i.{input,post_attention}_layernorm.weight`,
+`lm_head.weight` [V_draft, H] with `draft_vocab_size` and `d2t` (`t2d` is skipped) for a reduced
+vocabulary (vLLM maps the draft ids to the target's, -inf elsewhere, and shares an lm_head equal
+to the target's); no embed_tokens (vLLM shares the target's); the mask vector in `mask_embedding.pt`
 ({"mask_token_id", "embedding"}), which vLLM substitutes for that token's embedding. No
 `layer_types` or `is_causal`: every layer is then full, non-causal attention. Served with
 `{"method": "dflash", "num_speculative_tokens": K}`, K <= num_steps.
@@ -31,7 +35,6 @@ no lm_head or embed_tokens (vLLM shares the target's); the mask vector in `mask_
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -42,7 +45,7 @@ from eyas.draft.blocks import mlp, rms_norm
 from eyas.draft.config import HeadConfig
 from eyas.draft.features import FUSED_LAYERS
 from eyas.draft.formats import ExportContext, FormatSpec, KindExport, attention_shapes, mlp_shapes, rope_fields
-from eyas.draft.head import DraftHead
+from eyas.draft.head import DraftHead, with_mask_token
 from eyas.errors import EyasError
 
 VLLM_ARCHITECTURE = "DFlashDraftModel"
@@ -113,6 +116,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_k: to
 class DFlashLayer(nn.Module):
     """A pre-norm decoder layer (Qwen3 attention) over the block rows, reading the context's keys/values."""
 
+    starts_from_target_layer = True  # train.draft_init=target_last_layer copies the target layer's tensors of its names
+
     def __init__(self, cfg: HeadConfig) -> None:
         super().__init__()
         self.input_layernorm = rms_norm(cfg)
@@ -130,7 +135,11 @@ class DFlashLayer(nn.Module):
 
 def _shapes(cfg: HeadConfig, bias: bool) -> dict[str, tuple]:
     h = cfg.hidden_size
-    shapes: dict[str, tuple] = {"fc.weight": (h, 3 * h), "hidden_norm.weight": (h,), "norm.weight": (h,)}
+    shapes: dict[str, tuple] = {"fc.weight": (h, 3 * h), "hidden_norm.weight": (h,), "norm.weight": (h,),
+                                "lm_head.weight": (cfg.draft_vocab_size, h)}
+    if cfg.reduced_vocab:
+        shapes["d2t"] = (cfg.draft_vocab_size,)
+        shapes["t2d"] = (cfg.vocab_size,)
     for i in range(cfg.num_layers):
         layer = f"layers.{i}."
         shapes.update(attention_shapes(cfg, f"{layer}self_attn.", h, bias))
@@ -152,7 +161,8 @@ def _vllm_config(cfg: HeadConfig, ctx: ExportContext) -> dict:
         "rms_norm_eps": cfg.rms_norm_eps, "max_position_embeddings": cfg.max_position_embeddings,
         # both spellings: transformers 5 reads rope_parameters, and vLLM's Qwen3 defaults a missing theta to 1e6
         **rope, "rope_parameters": {"rope_type": "default", **(rope["rope_scaling"] or {}), "rope_theta": rope["rope_theta"]},
-        "vocab_size": cfg.vocab_size, "attention_bias": bool(cfg.qkv_bias and cfg.o_bias),
+        "vocab_size": cfg.vocab_size, "draft_vocab_size": cfg.draft_vocab_size,
+        "attention_bias": bool(cfg.qkv_bias and cfg.o_bias),
         "tie_word_embeddings": False, "torch_dtype": ctx.dtype,
         "block_size": cfg.num_steps + 1, "target_hidden_size": cfg.hidden_size,
         "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": [i - 1 for i in cfg.aux_layers]},
@@ -163,7 +173,8 @@ def _vllm_config(cfg: HeadConfig, ctx: ExportContext) -> dict:
 def _read_config(config: dict, fmt: str) -> dict:
     dflash = config.get("dflash_config") or {}
     return {"layer": config, "num_layers": int(config["num_hidden_layers"]),
-            "num_steps": int(config.get("block_size", 2)) - 1, "draft_vocab_size": int(config["vocab_size"]),
+            "num_steps": int(config.get("block_size", 2)) - 1,
+            "draft_vocab_size": int(config.get("draft_vocab_size") or config["vocab_size"]),
             "aux_layers": [i + 1 for i in dflash.get("target_layer_ids", [])],
             "mask_token_id": int(dflash["mask_token_id"])}
 
@@ -200,7 +211,7 @@ def _read_mask_file(saved: dict[str, Any], cfg: HeadConfig) -> dict[str, torch.T
 EXPORT = KindExport(
     formats={"vllm": FormatSpec(VLLM_ARCHITECTURE, "dflash", _shapes, _vllm_config, prepare=_without_mask,
                                 side_files=_mask_file, read_side_files=_read_mask_file, check_steps=_check_steps)},
-    from_target=frozenset({"embed_tokens.weight", "lm_head.weight"}),
+    from_target=frozenset({"embed_tokens.weight"}),
     check=_check,
     default_steps=lambda cfg: cfg.num_steps,
     read_config=_read_config,
@@ -213,16 +224,13 @@ class DFlashHead(DraftHead):
     kind = "dflash"
     feature_spec = FUSED_LAYERS
     drafts_block = True
+    supports_draft_vocab = True
     export = EXPORT
 
     @classmethod
     def head_config(cls, draft_cfg, target_config, aux_layers, draft_vocab_size, target_identity) -> HeadConfig:
         cfg = super().head_config(draft_cfg, target_config, aux_layers, draft_vocab_size, target_identity)
-        mask = int(getattr(draft_cfg, "mask_token_id", -1))
-        if mask >= cfg.vocab_size:
-            raise EyasError(f"recipe key 'draft.mask_token_id' is {mask}, outside the target's vocabulary "
-                            f"(size {cfg.vocab_size}); choose an id below it, or -1 for the last one")
-        return dataclasses.replace(cfg, mask_token_id=mask if mask >= 0 else cfg.vocab_size - 1)
+        return with_mask_token(cfg, draft_cfg)
 
     @classmethod
     def layers_for(cls, draft_cfg: Any) -> int:
@@ -233,7 +241,7 @@ class DFlashHead(DraftHead):
         self.hidden_norm = rms_norm(cfg)
         self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = rms_norm(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.mask_embedding = nn.Parameter(torch.zeros(cfg.hidden_size))
 
     def project(self, features: torch.Tensor) -> torch.Tensor:

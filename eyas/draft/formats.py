@@ -12,7 +12,7 @@ kind's module.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -83,6 +83,8 @@ class FormatSpec:
     # ({file name: torch.load of it}, config) -> the eyas tensors they hold (`load_exported`)
     read_side_files: Callable[[dict, HeadConfig], State] = _nothing_read
     serve_flags: str = ""  # extra flags of the serving command
+    # extra fields of vLLM's --speculative-config (peagle: {"parallel_drafting": true})
+    speculative_extra: dict = field(default_factory=dict)
     aliases: tuple[str, ...] = ()  # other architectures the config writer may name (per target family)
 
 

@@ -18,6 +18,7 @@ requires_grad=False; `trainable_parameters()` lists the rest.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar
 
 import torch
@@ -118,6 +119,11 @@ class DraftHead(nn.Module):
         """
         raise NotImplementedError
 
+    def mask_inputs(self, tokens: torch.Tensor, feature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The (tokens, feature) a step k > 0 reads instead of the previous step's, for a head that drafts its
+        steps in parallel from mask slots (peagle); None: it reads what the previous step gave."""
+        return None
+
     def chains_hidden(self) -> bool:
         """Whether step k+1 reads step k's output hidden (else the target's feature again)."""
         return True
@@ -210,6 +216,15 @@ class DraftHead(nn.Module):
         return self
 
 
+def with_mask_token(cfg: HeadConfig, draft_cfg: Any) -> HeadConfig:
+    """`cfg` with the recipe's `draft.mask_token_id` (-1: the target's last id), for kinds that draft in parallel."""
+    mask = int(getattr(draft_cfg, "mask_token_id", -1))
+    if mask >= cfg.vocab_size:
+        raise EyasError(f"recipe key 'draft.mask_token_id' is {mask}, outside the target's vocabulary "
+                        f"(size {cfg.vocab_size}); choose an id below it, or -1 for the last one")
+    return dataclasses.replace(cfg, mask_token_id=mask if mask >= 0 else cfg.vocab_size - 1)
+
+
 # A draft layer's tensor that starts from a target layer tensor of another name: EAGLE-3 normalises
 # the feature with `hidden_norm` where the target normalises its layer input with `input_layernorm`.
 _TARGET_LAYER_ALIASES = {"hidden_norm.weight": "input_layernorm.weight"}
@@ -229,7 +244,7 @@ def init_layers_from_target(head: DraftHead, target_layer: dict[str, torch.Tenso
     """
     copied, kept = [], []
     for prefix, module in head.named_modules():
-        if not isinstance(module, _DECODER_BLOCKS):
+        if not (isinstance(module, _DECODER_BLOCKS) or getattr(module, "starts_from_target_layer", False)):
             continue
         for local, param in module.named_parameters():
             name = f"{prefix}.{local}"

@@ -48,7 +48,9 @@ KIND_RULES: dict[str, KindRules] = {
         Variant("norm_before_residual", "eagle3_norm_before_residual", ("vllm",)))),
     "mtp": KindRules(title="MTP", unroll_per_layer=True),
     # one forward drafts the block; the unroll's step k is the block's mask slot k+1, num_steps slots
-    "dflash": KindRules(title="DFlash", unroll_per_layer=True, step_unit="mask slots"),
+    # EAGLE-3 drafting its steps from mask slots, all in one forward (eyas/draft/peagle.py)
+    "peagle": KindRules(title="P-EAGLE", trains_lm_head=True),
+    "dflash": KindRules(title="DFlash", unroll_per_layer=True, step_unit="mask slots", trains_lm_head=True),
 }
 
 

@@ -14,12 +14,14 @@ from eyas.draft.eagle import EagleHead
 from eyas.draft.eagle3 import Eagle3Head
 from eyas.draft.head import DraftHead
 from eyas.draft.mtp import MTPHead
+from eyas.draft.peagle import PEagleHead
 from eyas.errors import EyasError
 
 HEADS: dict[str, type[DraftHead]] = {
     "eagle": EagleHead,
     "eagle3": Eagle3Head,
     "mtp": MTPHead,
+    "peagle": PEagleHead,
     "dflash": DFlashHead,
 }
 KINDS = tuple(HEADS)

@@ -1,0 +1,86 @@
+"""`peagle` (P-EAGLE): an EAGLE-3 head that drafts all K tokens in one forward, from mask slots.
+
+Step 0 is EAGLE-3's (the target's fused feature through `fc`, the next token); every step k > 0
+reads, instead of the previous step's hidden and drafted token, one learned feature and one token:
+`mask_hidden` [3H] (a fused-layer-wide vector, through the same `fc`) and `mask_token_id` (the
+target's embedding of it, frozen). The attention is the training-time test's (step k at slot t sees
+the context up to t and its own slot's earlier steps), so training is the TTT unroll with the mask
+inputs (`mask_inputs`), and at inference the K steps' inputs are known before any is drafted: vLLM
+runs the bonus slot and the K-1 mask slots in one forward. eyas's eval drives it through the shared
+layer adapter, step by step, with the same inputs and masks, so the drafts are the same.
+
+Export (`--to vllm` only), checked against vLLM 0.32's
+`transformers_utils/configs/speculators/{base,algos}.py` (the `peagle` speculators type: method
+eagle3 with `parallel_drafting`, `mask_token_id` read as the proposer's `pard_token`,
+`norm_before_residual` defaulting to false) and `model_executor/models/llama_eagle3.py` (a
+`mask_hidden` tensor of fc's input width, loaded into a buffer and passed through
+`combine_hidden_states` - input_norm if any, then fc - by the proposer): EAGLE-3's vLLM layout,
+`speculators_model_type: peagle`, `mask_token_id`, and `mask_hidden` [1, 3H]. Served with
+`{"method": "eagle3", "parallel_drafting": true, "num_speculative_tokens": K}`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from eyas.draft import eagle3
+from eyas.draft.config import HeadConfig
+from eyas.draft.formats import ExportContext, FormatSpec, KindExport
+from eyas.draft.head import with_mask_token
+
+VLLM_ARCHITECTURE = "PEagleSpeculator"
+
+
+def _shapes(cfg: HeadConfig, bias: bool) -> dict[str, tuple]:
+    return {**eagle3.EXPORT.formats["vllm"].shapes(cfg, bias), "mask_hidden": (1, 3 * cfg.hidden_size)}
+
+
+def _vllm_config(cfg: HeadConfig, ctx: ExportContext) -> dict:
+    config = eagle3.EXPORT.formats["vllm"].config(cfg, ctx)
+    config.update(architectures=[VLLM_ARCHITECTURE], speculators_model_type="peagle", mask_token_id=cfg.mask_token_id)
+    config["speculators_config"]["algorithm"] = "peagle"
+    return config
+
+
+def _read_config(config: dict, fmt: str) -> dict:
+    return {**eagle3.EXPORT.read_config(config, fmt), "mask_token_id": int(config["mask_token_id"])}
+
+
+def _to_engine_rows(state: dict, cfg: HeadConfig) -> dict:
+    return {**state, "mask_hidden": state["mask_hidden"].reshape(1, -1)}
+
+
+def _from_engine_rows(state: dict, cfg: HeadConfig) -> dict:
+    return {**state, "mask_hidden": state["mask_hidden"].reshape(-1)}
+
+
+_EAGLE3_VLLM = eagle3.EXPORT.formats["vllm"]
+EXPORT = KindExport(
+    formats={"vllm": FormatSpec(VLLM_ARCHITECTURE, "eagle3", _shapes, _vllm_config, biases=_EAGLE3_VLLM.biases,
+                                to_engine=_EAGLE3_VLLM.to_engine, to_eyas=_EAGLE3_VLLM.to_eyas,
+                                prepare=_to_engine_rows, restore=_from_engine_rows,
+                                speculative_extra={"parallel_drafting": True})},
+    from_target=eagle3.EXPORT.from_target,
+    check=eagle3.EXPORT.check,
+    read_config=_read_config,
+)
+
+
+class PEagleHead(eagle3.Eagle3Head):
+    kind = "peagle"
+    export = EXPORT
+
+    @classmethod
+    def head_config(cls, draft_cfg, target_config, aux_layers, draft_vocab_size, target_identity) -> HeadConfig:
+        cfg = super().head_config(draft_cfg, target_config, aux_layers, draft_vocab_size, target_identity)
+        return with_mask_token(cfg, draft_cfg)
+
+    def _build(self, cfg: HeadConfig) -> None:
+        super()._build(cfg)
+        self.mask_hidden = nn.Parameter(torch.zeros(3 * cfg.hidden_size))
+
+    def mask_inputs(self, tokens: torch.Tensor, feature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.full_like(tokens, self.config.mask_token_id)
+        mask_feature = self.project(self.mask_hidden[None]).to(feature.dtype)[0]
+        return ids, mask_feature.expand_as(feature)
