@@ -679,7 +679,7 @@ def check_mtp_unroll(recipe: Recipe) -> None:
         unit = rules.step_unit
         if steps > layers:
             raise EyasError(
-                f"recipe key 'train.ttt_steps' is {steps} but an {kind} draft has only "
+                f"recipe key 'train.ttt_steps' is {steps} but the {kind} draft has only "
                 f"draft.num_steps={layers} {unit}; set train.ttt_steps <= draft.num_steps"
             )
         # each layer (slot) drafts one step and learns only from its own step of the unroll: those

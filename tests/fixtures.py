@@ -126,3 +126,39 @@ def serving(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def random_head(target_dir: str | Path, kind: str, d2t=None, seed: int = 0, sharpen: bool = True, **draft):
+    """(head, target, tokenizer): a randomly initialised `kind` head on the tiny target saved in `target_dir`,
+    started from its embedding and lm_head; `sharpen`: q/k scaled x10 so its logits depend on positions and
+    masks (a plain random head attends almost uniformly). `draft`: more DraftConfig fields."""
+    import torch  # heavy, and only the head tests need it
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eyas.config import DraftConfig, default_layers  # only the head tests need the draft packages
+    from eyas.draft.registry import build_head
+    from eyas.targets import load_target_config, target_identity
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    config = load_target_config(str(target_dir))
+    torch.manual_seed(seed)
+    head = build_head(DraftConfig(kind=kind, **draft), config, default_layers(config.num_hidden_layers), d2t,
+                      target_identity(config, tokenizer))
+    head.init_from_target(target)
+    with torch.no_grad():
+        for name, param in head.named_parameters() if sharpen else ():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                param.mul_(10.0)
+    return head, target, tokenizer
+
+
+def target_batch(target, sequence, aux_layers: list[int]) -> dict:
+    """A training batch of token rows `sequence` [B, T] with the target's features, as the shards give it
+    (the fused `aux_layers` and the last hidden state), every position in the loss."""
+    import torch  # heavy, and only the head tests need it
+
+    with torch.inference_mode():
+        hidden = target(sequence, output_hidden_states=True).hidden_states
+    return {"input_ids": sequence, "loss_mask": torch.ones_like(sequence),
+            "aux_hidden": torch.cat([hidden[i] for i in aux_layers], dim=-1).clone(), "last_hidden": hidden[-1].clone()}

@@ -10,10 +10,11 @@ import json
 
 import pytest
 import torch
+from fixtures import random_head, target_batch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eyas.config import DraftConfig, default_layers, from_dict, parse_loss_mix
+from eyas.config import DraftConfig, from_dict, parse_loss_mix
 from eyas.decode import SamplingParams, stop_token_ids
 from eyas.draft.checkpoint import save_draft
 from eyas.draft.head import init_layers_from_target
@@ -22,7 +23,6 @@ from eyas.errors import EyasError
 from eyas.eval.decoder import SpeculativeDecoder, target_generate
 from eyas.eval.head_draft import BlockDraft, load_head_draft
 from eyas.eval.tree import parse_shape
-from eyas.targets import load_target_config, target_identity
 from eyas.train.export import export_draft, load_exported
 from eyas.train.losses import Teacher
 from eyas.train.ttt import unroll
@@ -37,23 +37,15 @@ def _target(path):
 
 
 def _head(target_dir, layers: int = 2, seed: int = 0, sharpen: bool = True, reduced: bool = False):
-    """A random dflash head (SLOTS mask slots) on the target in `target_dir`, sharpened so that logits depend
-    on positions, masks and the mask vector; `reduced`: over a 200-token draft vocabulary."""
-    target, tokenizer = _target(target_dir)
-    config = load_target_config(str(target_dir))
-    torch.manual_seed(seed)
+    """A random dflash head (SLOTS mask slots), sharpened (attention and a random mask vector) unless
+    `sharpen` is false; `reduced`: over a 200-token draft vocabulary."""
     d2t = None
     if reduced:
-        kept = torch.randperm(config.vocab_size)[:200].sort().values
+        kept = torch.randperm(384, generator=torch.Generator().manual_seed(seed))[:200].sort().values
         d2t = kept - torch.arange(len(kept))
-    head = build_head(DraftConfig(kind="dflash", num_steps=SLOTS, num_layers=layers), config,
-                      default_layers(config.num_hidden_layers), d2t, target_identity(config, tokenizer))
-    head.init_from_target(target)
+    head, target, tokenizer = random_head(target_dir, "dflash", d2t, seed, sharpen, num_steps=SLOTS, num_layers=layers)
     if sharpen:
         with torch.no_grad():
-            for name, param in head.named_parameters():
-                if name.endswith(("q_proj.weight", "k_proj.weight")):
-                    param.mul_(10.0)
             head.mask_embedding.normal_()
     return head, target, tokenizer
 
@@ -107,11 +99,7 @@ def test_training_lowers_the_loss_of_every_slot(tiny_llama_dir):
     """A few AdamW steps on one batch: every slot's loss falls, and the mask vector is trained."""
     head, target, _ = _head(tiny_llama_dir, layers=1, sharpen=False)
     sequence = torch.randint(3, target.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(3))
-    with torch.inference_mode():
-        hidden = target(sequence, output_hidden_states=True).hidden_states
-    batch = {"input_ids": sequence, "loss_mask": torch.ones_like(sequence),
-             "aux_hidden": torch.cat([hidden[i] for i in head.config.aux_layers], dim=-1).clone(),
-             "last_hidden": hidden[-1].clone()}
+    batch = target_batch(target, sequence, head.config.aux_layers)
     teacher = Teacher(target.get_output_embeddings().weight, None, 64)
     mix = parse_loss_mix("forward_kl")
     start_mask = head.mask_embedding.detach().clone()

@@ -11,19 +11,17 @@ import json
 
 import pytest
 import torch
+from fixtures import random_head, target_batch
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eyas.config import DraftConfig, default_layers, parse_loss_mix
+from eyas.config import parse_loss_mix
 from eyas.decode import SamplingParams, stop_token_ids
 from eyas.draft.blocks import TTTCache
 from eyas.draft.checkpoint import save_draft
-from eyas.draft.registry import build_head
 from eyas.eval.batched import BatchedDecoder
 from eyas.eval.decoder import SpeculativeDecoder, target_generate
 from eyas.eval.head_draft import SharedLayerDraft, load_head_draft
 from eyas.eval.tree import parse_shape
-from eyas.targets import load_target_config, target_identity
 from eyas.train.export import export_draft, load_exported, serve_command
 from eyas.train.losses import Teacher
 from eyas.train.ttt import unroll
@@ -34,17 +32,8 @@ GREEDY = SamplingParams(0.0)
 
 def _head(target_dir, seed: int = 0):
     """A random peagle head on the target in `target_dir`, sharpened, with a random mask feature."""
-    target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    config = load_target_config(str(target_dir))
-    torch.manual_seed(seed)
-    head = build_head(DraftConfig(kind="peagle"), config, default_layers(config.num_hidden_layers), None,
-                      target_identity(config, tokenizer))
-    head.init_from_target(target)
+    head, target, tokenizer = random_head(target_dir, "peagle", seed=seed)
     with torch.no_grad():
-        for name, param in head.named_parameters():
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
-                param.mul_(10.0)
         head.mask_hidden.normal_()
     return head, target, tokenizer
 
@@ -89,11 +78,7 @@ def test_greedy_with_peagle_equals_target_greedy_alone_and_batched(tmp_path, tin
 def test_training_moves_the_mask_feature(tiny_llama_dir):
     head, target, _ = _head(tiny_llama_dir)
     sequence = torch.randint(3, target.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(3))
-    with torch.inference_mode():
-        hidden = target(sequence, output_hidden_states=True).hidden_states
-    batch = {"input_ids": sequence, "loss_mask": torch.ones_like(sequence),
-             "aux_hidden": torch.cat([hidden[i] for i in head.config.aux_layers], dim=-1).clone(),
-             "last_hidden": hidden[-1].clone()}
+    batch = target_batch(target, sequence, head.config.aux_layers)
     out = unroll(head, batch, Teacher(target.get_output_embeddings().weight, None, 64), 3, parse_loss_mix("forward_kl"))
     sum(out.loss_sums[1:]).backward()  # only the mask steps read mask_hidden
     assert head.mask_hidden.grad is not None and head.mask_hidden.grad.abs().sum() > 0
