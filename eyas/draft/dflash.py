@@ -41,6 +41,7 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
+from eyas.draft import eagle3
 from eyas.draft.blocks import mlp, rms_norm
 from eyas.draft.config import HeadConfig
 from eyas.draft.features import FUSED_LAYERS
@@ -179,18 +180,11 @@ def _read_config(config: dict, fmt: str) -> dict:
             "mask_token_id": int(dflash["mask_token_id"])}
 
 
-def _check(cfg: HeadConfig, where: str) -> None:
-    depth = cfg.target_hidden_layers
-    bad = [i for i in cfg.aux_layers if not 1 <= i <= depth - 1] if depth else []
-    if bad:
-        raise EyasError(f"'{where}' reads HF hidden_states indices {bad}, which vLLM cannot capture (it takes the "
-                        f"input of a decoder layer: indices 1..{depth - 1}); retrain with dump.layers inside that range")
-
-
 def _check_steps(cfg: HeadConfig, steps: int) -> None:
     if steps > cfg.num_steps:
         raise EyasError(f"the DFlash draft was trained with {cfg.num_steps} mask slots (block size {cfg.num_steps + 1}); "
-                        f"it cannot draft {steps} tokens per round: export with --steps {cfg.num_steps} or fewer")
+                        f"it cannot draft {steps} tokens per round: export with --num-speculative-tokens {cfg.num_steps} "
+                        "or fewer")
 
 
 def _without_mask(state: dict, cfg: HeadConfig) -> dict:
@@ -212,7 +206,7 @@ EXPORT = KindExport(
     formats={"vllm": FormatSpec(VLLM_ARCHITECTURE, "dflash", _shapes, _vllm_config, prepare=_without_mask,
                                 side_files=_mask_file, read_side_files=_read_mask_file, check_steps=_check_steps)},
     from_target=frozenset({"embed_tokens.weight"}),
-    check=_check,
+    check=eagle3.EXPORT.check,  # the same fused layers, captured the same way
     default_steps=lambda cfg: cfg.num_steps,
     read_config=_read_config,
 )
