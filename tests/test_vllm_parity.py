@@ -415,7 +415,11 @@ def test_steered_two_turn_self_conversations_through_vllm_serve_resume_without_i
     rows = list(load_prepared(recipe.run_dir, "train"))
     print(f"\nself-conversations through vllm serve: {info['self_prompt_categories']}, turns {info['self_prompt_turns']}, "
           f"skipped {info['skipped']}")
-    assert info["self_prompt_categories"] == {"coding": 3, "translation": 3}
+    mix = info["self_prompt_categories"]
+    # 3 asked per category; bf16 sampling differs between CPUs, and a self prompt that does not end within the
+    # token budget is a counted skip (measured on an AMX machine: coding 2, with 10 such skips), never a silent loss
+    assert set(mix) == {"coding", "translation"} and all(1 <= n <= 3 for n in mix.values()), info
+    assert sum(mix.values()) == 6 or info["skipped"].get("self prompt did not end within data.regenerate_max_new_tokens"), info
     for row in rows:
         category = row["id"].rsplit("-", 1)[1]
         users = [m["content"] for m in row["messages"] if m["role"] == "user"]
