@@ -196,6 +196,9 @@ class DraftConfig:
     )
     train_lm_head: bool = _doc("eagle3, peagle and dflash: train the draft lm_head (initialised from the target's rows); "
                                "false freezes it.", True)
+    train_mask_embedding: bool = _doc(
+        "dflash: train the mask slots' vector (started from the target's embedding row of draft.mask_token_id, "
+        "shipped as mask_embedding.pt); false keeps the target's row, which an SGLang export needs.", True)
     eagle3_norm_before_fc: bool = _doc(
         "eagle3: an RMSNorm over the three fused target layers before fc (vLLM's norm_before_fc; vLLM serves it, "
         "SGLang does not: export with --to vllm).", False)

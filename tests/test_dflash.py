@@ -156,8 +156,51 @@ def test_vllm_export_round_trips(tmp_path, tiny_llama_dir):
             torch.testing.assert_close(a, b)
     with pytest.raises(EyasError, match="trained with 3 mask slots"):
         export_draft(checkpoint, "vllm", tmp_path / "deep", dtype="float32", speculative_tokens=SLOTS + 1)
-    with pytest.raises(EyasError, match="not a format|dflash"):
+    with pytest.raises(EyasError, match="train it with draft.use_draft_vocab=false draft.train_lm_head=false "
+                                        "draft.train_mask_embedding=false to serve it in SGLang"):
         export_draft(checkpoint, "sglang", tmp_path / "sglang", dtype="float32")
+
+
+# What SGLang 0.5.23's DFlashDraftModel reads per layer (srt/models/dflash.py: q/k/v stacked into
+# qkv_proj and gate/up into gate_up_proj at load), besides fc, hidden_norm and norm.
+SGLANG_LAYER_TENSORS = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                        "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+                        "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                        "input_layernorm.weight", "post_attention_layernorm.weight"}
+
+
+def test_sglang_export_of_a_draft_on_the_target_rows(tmp_path, tiny_llama_dir):
+    """A draft that kept the target's lm_head (full vocabulary) and mask row exports to SGLang's DFlash layout:
+    no lm_head and no mask file (SGLang takes both from the target), block_size in dflash_config, the DFLASH
+    serving command; read back over the target's tensors it gives the head's own logits."""
+    head, target, _ = random_head(tiny_llama_dir, "dflash", num_steps=SLOTS, num_layers=2, use_draft_vocab=False,
+                                  train_lm_head=False, train_mask_embedding=False)
+    embed, lm_head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    assert torch.equal(head.mask_embedding.detach(), embed[head.config.mask_token_id].detach())
+    trainable = {id(p) for p in head.trainable_parameters()}
+    assert id(head.mask_embedding) not in trainable and id(head.lm_head.weight) not in trainable
+    checkpoint = save_draft(tmp_path / "ckpt", head, {"step": 0, "target_path": str(tiny_llama_dir)})
+    out = export_draft(checkpoint, "sglang", tmp_path / "sglang", dtype="float32")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and "draft_vocab_size" not in config
+    assert config["dflash_config"] == {"mask_token_id": head.config.mask_token_id, "block_size": SLOTS + 1,
+                                       "target_layer_ids": [i - 1 for i in head.config.aux_layers]}
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    assert names == {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
+        f"layers.{i}.{name}" for i in range(2) for name in SGLANG_LAYER_TENSORS}
+    assert not list(out.glob("*.pt"))
+    serve = json.loads((out / "eyas_export.json").read_text())["serve"]
+    assert "--speculative-algorithm DFLASH" in serve and serve.endswith(f"--speculative-num-draft-tokens {SLOTS + 1}")
+    with pytest.raises(EyasError, match="sglang dflash export uses the target's lm_head"):
+        load_exported(out, embed)
+    back = load_exported(out, embed, lm_head)
+    sequence = torch.randint(3, target.config.vocab_size, (16,), generator=torch.Generator().manual_seed(5))
+    features = _features(target, sequence, head.config.aux_layers)
+    with torch.inference_mode():
+        for a, b in zip(head.training_logits(sequence[None], features[None], SLOTS),
+                        back.training_logits(sequence[None], features[None], SLOTS)):
+            torch.testing.assert_close(a, b)
 
 
 def test_recipe_rules():

@@ -64,6 +64,11 @@ def format_spec(kind: str, fmt: str) -> FormatSpec:
     return formats[fmt]
 
 
+def taken_from_target(kind: str, fmt: str) -> frozenset[str]:
+    """The head's tensors the `fmt` engine takes from the target: not written, filled from it when read back."""
+    return head_class(kind).export.from_target | format_spec(kind, fmt).from_target
+
+
 def unserved_variants(cfg: HeadConfig | dict, fmt: str) -> list[str]:
     """The layer variants the head has on that `fmt`'s draft model does not build."""
     cfg = _typed(cfg)
@@ -87,6 +92,7 @@ def expected_shapes(cfg: HeadConfig | dict, fmt: str) -> dict[str, tuple]:
     spec = format_spec(cfg.kind, fmt)
     bias = spec.biases(cfg, fmt)
     _check_variants(cfg, fmt)
+    spec.check(cfg)
     return spec.shapes(cfg, bias)
 
 
@@ -96,7 +102,7 @@ def map_state_dict(state: dict[str, torch.Tensor], cfg: HeadConfig | dict, fmt: 
     kind, spec = cfg.kind, format_spec(cfg.kind, fmt)
     state = spec.prepare(state, cfg)
     expected = expected_shapes(cfg, fmt)
-    skipped = head_class(kind).export.from_target
+    skipped = taken_from_target(kind, fmt)
     out: dict[str, torch.Tensor] = {}
     for name, tensor in sorted(state.items()):
         if name in skipped:
@@ -125,16 +131,17 @@ def export_config(cfg: HeadConfig | dict, fmt: str, dtype: str, speculative_toke
     cfg = _typed(cfg)
     provenance = {"kind": cfg.kind, "mtp_feed": cfg.mtp_feed, "target_identity": cfg.target_identity,
                   "target_model_type": cfg.target_model_type, "aux_layers": cfg.aux_layers,
-                  "initializer_range": cfg.initializer_range}
+                  "initializer_range": cfg.initializer_range, "format": fmt}
     return format_spec(cfg.kind, fmt).config(cfg, ExportContext(dtype, speculative_tokens, target, provenance))
 
 
 def exported_kind(config: dict) -> tuple[str, str]:
     """(head kind, format) of an exported config.json, from the architecture it names."""
     architecture = (config.get("architectures") or [""])[0]
+    written = (config.get("eyas") or {}).get("format")  # two engines may name one architecture (DFlash)
     for kind, cls in HEADS.items():
         for fmt, spec in cls.export.formats.items():
-            if architecture == spec.architecture or architecture in spec.aliases:
+            if (architecture == spec.architecture or architecture in spec.aliases) and written in (None, fmt):
                 return kind, fmt
     raise EyasError(f"the config.json names architecture '{architecture}', which no eyas export format writes; "
                     "point at a folder written by `eyas export`")
@@ -275,8 +282,8 @@ def serve_command(fmt: str, kind: str, target: str, out: Path, steps: int) -> st
                              **spec.speculative_extra})
         return f"vllm serve {target} --speculative-config '{config}'"
     return (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {spec.method} "
-            f"--speculative-draft-model-path {out} --speculative-num-steps {steps} "
-            f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {steps + 1}{spec.serve_flags}")
+            f"--speculative-draft-model-path {out} {spec.sglang_steps.format(steps=steps, tokens=steps + 1)}"
+            f"{spec.serve_flags}")
 
 
 def serve_commands(kind: str, target: str, out: Path, fmt: str, steps: int,
@@ -305,8 +312,8 @@ def load_exported(directory: str | Path, embed_tokens: torch.Tensor, lm_head: to
                   dtype: torch.dtype = torch.float32) -> Any:
     """Read an export back into an eyas head (the engines' view of it).
 
-    The embedding (and for eagle/mtp the lm_head) is the target's, exactly as the engines
-    share it; pass the target's tensors.
+    The embedding (and for eagle, mtp and SGLang's dflash the lm_head) is the target's, exactly as
+    the engines share it; pass the target's tensors.
     """
     directory = Path(directory)
     config = json.loads((directory / "config.json").read_text())
@@ -318,14 +325,15 @@ def load_exported(directory: str | Path, embed_tokens: torch.Tensor, lm_head: to
     if set(tensors) != set(expected):
         raise EyasError(f"'{directory}' does not hold the {fmt} {kind} tensor set: unexpected "
                         f"{sorted(set(tensors) - set(expected))[:3]}, missing {sorted(set(expected) - set(tensors))[:3]}")
-    state = spec.restore({spec.to_eyas(name): t for name, t in tensors.items()}, cfg)
+    state = {spec.to_eyas(name): t for name, t in tensors.items()}
     side = {path.name: torch.load(path, weights_only=True) for path in sorted(directory.glob("*.pt"))}
     state.update(spec.read_side_files(side, cfg))
     from_target = {"embed_tokens.weight": embed_tokens, "lm_head.weight": lm_head}
-    for name in sorted(head_class(kind).export.from_target):
+    for name in sorted(taken_from_target(kind, fmt)):
         if from_target.get(name) is None:
-            raise EyasError(f"a {kind} export uses the target's {name.split('.')[0]}; pass it to load_exported")
+            raise EyasError(f"a {fmt} {kind} export uses the target's {name.split('.')[0]}; pass it to load_exported")
         state[name] = from_target[name]
+    state = spec.restore(state, cfg)  # after the target's tensors: a restore may read them
     head = head_from_config(cfg, state.get("d2t"))
     head.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}, strict=True)
     return head.to(dtype).eval()

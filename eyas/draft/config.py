@@ -69,6 +69,8 @@ class HeadConfig:
     norm_before_residual: bool = False
     # dflash only: the token whose embedding row the mask slots carry (a trained `mask_embedding` replaces it)
     mask_token_id: int = -1
+    # dflash only: whether `mask_embedding` trains (False: it stays the target's row of mask_token_id)
+    train_mask_embedding: bool = True
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 

@@ -31,10 +31,22 @@ to the target's); no embed_tokens (vLLM shares the target's); the mask vector in
 ({"mask_token_id", "embedding"}), which vLLM substitutes for that token's embedding. No
 `layer_types` or `is_causal`: every layer is then full, non-causal attention. Served with
 `{"method": "dflash", "num_speculative_tokens": K}`, K <= num_steps.
+
+Export `--to sglang`, checked against SGLang 0.5.23's `srt/models/dflash.py` and
+`srt/speculative/dflash_worker_v2.py` (it does not start on a CPU): the same class name, config and
+layer weights (it also reads the layer ids as outputs and adds 1), with `block_size` also in
+`dflash_config`; but SGLang's draft has no lm_head (it scores with the target's over the full
+vocabulary) and it writes a shipped `mask_embedding.pt` into the TARGET's embedding row of the mask
+token, which changes the target wherever that token occurs. So SGLang serves exactly only a draft
+trained over the full vocabulary with the target's lm_head and mask row frozen
+(`draft.use_draft_vocab: false`, `draft.train_lm_head: false`, `draft.train_mask_embedding: false`);
+anything else is refused, naming those keys. Served with `--speculative-algorithm DFLASH
+--speculative-num-draft-tokens K+1` (SGLang forces num_steps and topk to 1 for DFlash).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -49,7 +61,7 @@ from eyas.draft.formats import ExportContext, FormatSpec, KindExport, attention_
 from eyas.draft.head import DraftHead, with_mask_token
 from eyas.errors import EyasError
 
-VLLM_ARCHITECTURE = "DFlashDraftModel"
+VLLM_ARCHITECTURE = "DFlashDraftModel"  # SGLang names its DFlash draft class the same
 MASK_FILE = "mask_embedding.pt"
 
 # ----------------------------------------------------------------------------- the layers
@@ -178,7 +190,9 @@ def _read_config(config: dict, fmt: str) -> dict:
             "num_steps": int(config.get("block_size", 2)) - 1,
             "draft_vocab_size": int(config.get("draft_vocab_size") or config["vocab_size"]),
             "aux_layers": [i + 1 for i in dflash.get("target_layer_ids", [])],
-            "mask_token_id": int(dflash["mask_token_id"])}
+            "mask_token_id": int(dflash["mask_token_id"]),
+            # SGLang's layout holds only a draft that kept the target's lm_head and mask row (`_check_sglang`)
+            **({"train_lm_head": False, "train_mask_embedding": False} if fmt == "sglang" else {})}
 
 
 def _check_steps(cfg: HeadConfig, steps: int) -> None:
@@ -203,9 +217,41 @@ def _read_mask_file(saved: dict[str, Any], cfg: HeadConfig) -> dict[str, torch.T
     return {"mask_embedding": found["embedding"].reshape(-1)}
 
 
+def _sglang_shapes(cfg: HeadConfig, bias: bool) -> dict[str, tuple]:
+    return {name: shape for name, shape in _shapes(cfg, bias).items() if name != "lm_head.weight"}
+
+
+def _sglang_config(cfg: HeadConfig, ctx: ExportContext) -> dict:
+    config = _vllm_config(cfg, ctx)
+    del config["draft_vocab_size"]
+    config["dflash_config"]["block_size"] = cfg.num_steps + 1
+    return config
+
+
+def _check_sglang(cfg: HeadConfig) -> None:
+    """SGLang serves exactly only the target's lm_head (full vocabulary) and the target's mask-token row."""
+    trained = {"draft.use_draft_vocab=false": cfg.reduced_vocab, "draft.train_lm_head=false": cfg.train_lm_head,
+               "draft.train_mask_embedding=false": cfg.train_mask_embedding}
+    fixes = [key for key, needed in trained.items() if needed]
+    if fixes:
+        raise EyasError("SGLang's DFlash draft scores with the target's own lm_head over the full vocabulary, and it "
+                        "writes a shipped mask vector into the target's embedding row of the mask token (which changes "
+                        "the target wherever that token occurs); this draft trained its own: train it with "
+                        f"{' '.join(fixes)} to serve it in SGLang, or export it with --to vllm, which serves it as trained")
+
+
+def _target_mask_row(state: dict, cfg: HeadConfig) -> dict:
+    """Read back from SGLang's layout: the mask slots carry the target's row, as that engine gives them."""
+    return {**state, "mask_embedding": state["embed_tokens.weight"][cfg.mask_token_id]}
+
+
 EXPORT = KindExport(
     formats={"vllm": FormatSpec(VLLM_ARCHITECTURE, "dflash", _shapes, _vllm_config, prepare=_without_mask,
-                                side_files=_mask_file, read_side_files=_read_mask_file, check_steps=_check_steps)},
+                                side_files=_mask_file, read_side_files=_read_mask_file, check_steps=_check_steps),
+             "sglang": FormatSpec(VLLM_ARCHITECTURE, "DFLASH", _sglang_shapes, _sglang_config, prepare=_without_mask,
+                                  restore=_target_mask_row, check=_check_sglang, check_steps=_check_steps,
+                                  from_target=frozenset({"lm_head.weight"}),
+                                  sglang_steps="--speculative-num-draft-tokens {tokens}")},
     from_target=frozenset({"embed_tokens.weight"}),
     check=eagle3.EXPORT.check,  # the same fused layers, captured the same way
     default_steps=lambda cfg: cfg.num_steps,
@@ -225,7 +271,8 @@ class DFlashHead(DraftHead):
     @classmethod
     def head_config(cls, draft_cfg, target_config, aux_layers, draft_vocab_size, target_identity) -> HeadConfig:
         cfg = super().head_config(draft_cfg, target_config, aux_layers, draft_vocab_size, target_identity)
-        return with_mask_token(cfg, draft_cfg)
+        return dataclasses.replace(with_mask_token(cfg, draft_cfg),
+                                   train_mask_embedding=bool(getattr(draft_cfg, "train_mask_embedding", True)))
 
     @classmethod
     def layers_for(cls, draft_cfg: Any) -> int:
@@ -237,7 +284,7 @@ class DFlashHead(DraftHead):
         self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = rms_norm(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
-        self.mask_embedding = nn.Parameter(torch.zeros(cfg.hidden_size))
+        self.mask_embedding = nn.Parameter(torch.zeros(cfg.hidden_size), requires_grad=cfg.train_mask_embedding)
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
         """fc over the three fused target layers [.., 3H] -> [.., H]: the context rows."""

@@ -55,6 +55,10 @@ def _no_step_check(cfg: HeadConfig, steps: int) -> None:
     return None
 
 
+def _no_format_check(cfg: HeadConfig) -> None:
+    return None
+
+
 def _no_side_files(state: State, cfg: HeadConfig) -> dict:
     return {}
 
@@ -82,7 +86,14 @@ class FormatSpec:
     side_files: Callable[[State, HeadConfig], dict] = _no_side_files
     # ({file name: torch.load of it}, config) -> the eyas tensors they hold (`load_exported`)
     read_side_files: Callable[[dict, HeadConfig], State] = _nothing_read
+    # refusals of this format from the head config alone (what its engine cannot serve exactly)
+    check: Callable[[HeadConfig], None] = _no_format_check
+    # more of the head's tensors that this format's engine takes from the target (beside the kind's own
+    # `KindExport.from_target`): not written, and filled from the target when read back
+    from_target: frozenset[str] = frozenset()
     serve_flags: str = ""  # extra flags of the serving command
+    # SGLang's step flags ({steps}: drafted tokens; {tokens}: tokens per verify, steps + 1)
+    sglang_steps: str = "--speculative-num-steps {steps} --speculative-eagle-topk 1 --speculative-num-draft-tokens {tokens}"
     # extra fields of vLLM's --speculative-config (peagle: {"parallel_drafting": true})
     speculative_extra: dict = field(default_factory=dict)
     aliases: tuple[str, ...] = ()  # other architectures the config writer may name (per target family)
