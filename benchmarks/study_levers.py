@@ -15,8 +15,15 @@ deeper unrolls cost more per step; that is stated, not hidden).
 Eval decodes every draft of a group in one process, interleaved prompt by prompt
 (eyas.eval.runner), at T=0 on the run's held-out chat and on two prompts of each of the 13
 categories of `benchmarks/prompts/broad.jsonl` (both turns of the two-turn ones): the eagle3
-variants with `chain:4`, the 3-layer mtp heads beside the eagle3 base with `chain:3`. Results go to
+variants with `chain:4`, the 3-layer mtp heads beside the eagle3 base with `chain:3`, and the four
+head kinds side by side (`kinds`: eagle3, mtp, peagle and dflash, each started from the target's last
+layer) with `chain:3`. `--vllm` also serves every draft a plain vLLM serves (all but mtp) through
+`eval.engine=vllm`: vLLM's τ and speedup over its own target alone, beside eyas's. Each row also
+has the draft's time per round and its share of the decode. Results go to
 benchmarks/results/study_levers.{json,md}, with a `BENCH` line per variant, group and suite.
+
+    python benchmarks/study_levers.py --data runs/quickstart --only init-target mtp3-target-init peagle dflash \
+        --groups kinds --vllm --tag kinds
 `--smoke` runs the same stages on a tiny quickstart run it prepares and dumps itself (tests/fixtures.py's
 tiny target): `base` for 2 steps, the eagle3 group, 4 prompts of 8 tokens per suite; everything,
 results included, goes to a temp folder (or --out).
@@ -62,13 +69,27 @@ VARIANTS = {
     "mtp5-target": ["draft.kind=mtp", "draft.num_steps=5", "draft.mtp_feed=target", "train.ttt_steps=5"],
     "mtp3-target-init": ["draft.kind=mtp", "draft.num_steps=3", "draft.mtp_feed=target",
                          "train.draft_init=target_last_layer"],
+    # the parallel drafters (one draft forward per round), started from the target's last layer as the
+    # kinds they are compared with (init-target, mtp3-target-init)
+    "peagle": ["draft.kind=peagle", "train.draft_init=target_last_layer"],
+    "dflash": ["draft.kind=dflash", "draft.num_steps=3", "train.draft_init=target_last_layer"],
 }
 PER_CATEGORY = 2
 EVAL_TOKENS = 40
+
+
+def kind_of(name: str) -> str:
+    """The head kind a variant trains (its draft.kind override, else the base's eagle3)."""
+    return next((o.split("=", 1)[1] for o in VARIANTS[name] if o.startswith("draft.kind=")), "eagle3")
+
+
+# the four kinds side by side, each started from the target's last layer, at equal data and steps
+KINDS_SIDE_BY_SIDE = ("init-target", "mtp3-target-init", "peagle", "dflash")
 # eval groups: the eagle3 variants drafting 4 deep; the 3-layer mtp heads (which cannot go deeper)
-# beside the eagle3 base, all 3 deep
-GROUPS = {"eagle3": ("chain:4", lambda name: not name.startswith("mtp")),
-          "depth3": ("chain:3", lambda name: name.startswith("mtp") or name == "base")}
+# beside the eagle3 base, all 3 deep; the four kinds 3 deep (dflash's 3 mask slots)
+GROUPS = {"eagle3": ("chain:4", lambda name: kind_of(name) == "eagle3"),
+          "depth3": ("chain:3", lambda name: kind_of(name) == "mtp" or name == "base"),
+          "kinds": ("chain:3", lambda name: name in KINDS_SIDE_BY_SIDE)}
 
 
 def eyas(stage: str, recipe: Path, overrides: list[str], log: Path) -> float:
@@ -122,7 +143,7 @@ SUITES = ("chat", "broad")
 
 
 def stage_eval(data: Path, out: Path, names: list[str], timings: dict, groups: list[str],
-               extra: list[str] | None = None) -> None:
+               extra: list[str] | None = None, vllm: bool = False) -> None:
     prompts = {"chat": "heldout", "broad": str(broad_subset(out / "broad-subset.jsonl"))}
     for group in groups:
         shape, member = GROUPS[group]
@@ -131,16 +152,29 @@ def stage_eval(data: Path, out: Path, names: list[str], timings: dict, groups: l
             # runs beside it); the reports on disk are never redone
             done = {c["draft"].split(":", 1)[0] for report in group_reports(out, group, suite) for c in report["configs"]}
             todo = [n for n in names if member(n) and n not in done]
-            if not todo:
-                continue
-            drafts = [str(out / n / "checkpoints" / "best") for n in todo]
-            folder = out / "eval" / group / suite / str(len(list((out / "eval" / group / suite).glob("*/report.json"))))
-            overrides = [f"run.output_dir={out}", "run.name=base", f"eval.prompts={prompts[suite]}", "eval.max_prompts=0",
-                         f"eval.max_new_tokens={EVAL_TOKENS}", "eval.engine=builtin", "eval.temperature=0",
-                         f"eval.output={folder}", "eval.shapes=" + json.dumps([shape]), "eval.drafts=" + json.dumps(drafts),
-                         *(extra or [])]
-            timings[f"eval:{group}:{suite}"] = eyas("eval", data / "recipe.yaml", overrides,
-                                                     out / f"eval-{group}-{suite}.log")
+            # --vllm: the drafts vLLM serves without a plugin go through eval.engine=vllm (eyas's decode of them,
+            # then vLLM's over the same prompts, in one report); the others through eyas's decoder alone
+            served = [n for n in todo if vllm and vllm_serves(kind_of(n))]
+            for engine, members in (("vllm", served), ("builtin", [n for n in todo if n not in served])):
+                if not members:
+                    continue
+                drafts = [str(out / n / "checkpoints" / "best") for n in members]
+                folder = out / "eval" / group / suite / str(len(list((out / "eval" / group / suite).glob("*/report.json"))))
+                overrides = [f"run.output_dir={out}", "run.name=base", f"eval.prompts={prompts[suite]}",
+                             "eval.max_prompts=0", f"eval.max_new_tokens={EVAL_TOKENS}", f"eval.engine={engine}",
+                             "eval.temperature=0", f"eval.output={folder}", "eval.shapes=" + json.dumps([shape]),
+                             "eval.drafts=" + json.dumps(drafts), *(extra or [])]
+                timings[f"eval:{group}:{suite}:{engine}"] = eyas("eval", data / "recipe.yaml", overrides,
+                                                                  out / f"eval-{group}-{suite}.log")
+
+
+def vllm_serves(kind: str) -> bool:
+    """Whether a plain vLLM engine serves `kind`'s export (mtp needs eyas's plugin: eval.engine=builtin only)."""
+    from eyas.draft.registry import head_class
+    from eyas.eval.engine_vllm import PLUGIN_METHODS
+
+    spec = head_class(kind).export.formats.get("vllm")
+    return spec is not None and spec.method not in PLUGIN_METHODS
 
 
 def group_reports(out: Path, group: str, suite: str) -> list[dict]:
@@ -157,7 +191,10 @@ def held_out(run: Path) -> dict:
 def stage_report(out: Path, names: list[str], steps: int, timings: dict, tag: str = "", results: Path = RESULTS) -> dict:
     rows = []
     for group, (shape, member) in GROUPS.items():
-        configs = {s: [c for report in group_reports(out, group, s) for c in report["configs"]] for s in SUITES}
+        reports = {s: group_reports(out, group, s) for s in SUITES}
+        configs = {s: [c for report in reports[s] for c in report["configs"]] for s in SUITES}
+        served = {s: {row["eyas_label"]: row for report in reports[s] for row in (report.get("vllm") or {}).get("rows", {}).values()}
+                  for s in SUITES}
         for name in [n for n in names if member(n) and (out / n / "logs").is_dir()]:
             row = {"group": group, "shape": shape, "variant": name, "overrides": VARIANTS[name], **held_out(out / name),
                    "train_s": timings.get(f"train:{name}")}
@@ -166,6 +203,13 @@ def stage_report(out: Path, names: list[str], steps: int, timings: dict, tag: st
                 if config is None:
                     continue
                 row[f"tau_{suite}"] = config["overall"]["tau"]
+                time_s, rounds = config["overall"]["time"], config["overall"]["rounds"]
+                row[f"draft_frac_{suite}"] = time_s["draft_frac"]  # the draft's share of the decode's wall time
+                row[f"draft_ms_{suite}"] = 1000 * time_s["draft_s"] / rounds if rounds else None  # per round
+                row[f"speedup_{suite}"] = config["overall"].get("speedup")
+                if config["label"] in served[suite]:  # the same draft served by vLLM (eval.engine=vllm)
+                    vllm_row = served[suite][config["label"]]["vllm"]
+                    row[f"vllm_tau_{suite}"], row[f"vllm_speedup_{suite}"] = vllm_row["tau"], vllm_row["speedup"]
                 if suite == "broad":
                     row["broad_per_category"] = {k: v["tau"] for k, v in config["per_category"].items()}
                     row["broad_per_turn"] = {k: v["tau"] for k, v in config["per_turn"].items()}
@@ -191,13 +235,19 @@ def stage_report(out: Path, names: list[str], steps: int, timings: dict, tag: st
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| variant | shape | held-out sim. accept | τ chat | τ broad | lowest broad category | train s |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| group | variant | shape | held-out sim. accept | τ chat | τ broad | lowest broad category | "
+             "draft ms/round (share), chat | speedup chat: eyas / vLLM (vLLM τ) | train s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    nan = float("nan")
     for r in rows:
         cats = r.get("broad_per_category") or {}
-        low = min(cats.items(), key=lambda kv: kv[1]) if cats else ("", float("nan"))
-        lines.append(f"| {r['variant']} | {r['shape']} | {r['sim_accept']:.3f} | {r.get('tau_chat', float('nan')):.3f} | "
-                     f"{r.get('tau_broad', float('nan')):.3f} | {low[0]} {low[1]:.2f} | {r['train_s'] or 0:.0f} |")
+        low = min(cats.items(), key=lambda kv: kv[1]) if cats else ("", nan)
+        draft = f"{r.get('draft_ms_chat') or nan:.1f} ({100 * (r.get('draft_frac_chat') or nan):.0f}%)"
+        speed = f"{r.get('speedup_chat') or nan:.2f}x"
+        if "vllm_speedup_chat" in r:
+            speed += f" / {r['vllm_speedup_chat'] or nan:.2f}x ({r['vllm_tau_chat']:.3f})"
+        lines.append(f"| {r['group']} | {r['variant']} | {r['shape']} | {r['sim_accept']:.3f} | {r.get('tau_chat', nan):.3f} | "
+                     f"{r.get('tau_broad', nan):.3f} | {low[0]} {low[1]:.2f} | {draft} | {speed} | {r['train_s'] or 0:.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -213,6 +263,9 @@ def main() -> None:
     parser.add_argument("--tag", default="", help="results go to study_levers_<tag>.{json,md} (another data set)")
     parser.add_argument("--eval-set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="recipe overrides for the evals only (e.g. target.dtype=float32)")
+    parser.add_argument("--vllm", action="store_true",
+                        help="also serve every draft vLLM serves without a plugin in vLLM (eval.engine=vllm): its tau and "
+                             "speedup over vLLM's target alone beside eyas's")
     parser.add_argument("--smoke", action="store_true",
                         help="seconds: base for 2 steps on a tiny quickstart run, the eagle3 group, 4 prompts of 8 tokens")
     args = parser.parse_args()
@@ -238,7 +291,7 @@ def main() -> None:
         if args.stage in ("train", "all"):
             stage_train(data, out, names, args.steps, timings)
         if args.stage in ("eval", "all"):
-            stage_eval(data, out, names, timings, args.groups, args.eval_set)
+            stage_eval(data, out, names, timings, args.groups, args.eval_set, args.vllm)
     finally:  # merged into what is there now: another invocation may have written since this one began
         current = json.loads(timing_file.read_text()) if timing_file.is_file() else {}
         timing_file.write_text(json.dumps({**current, **timings}, indent=1))

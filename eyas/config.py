@@ -486,6 +486,10 @@ def validate(recipe: Recipe) -> Recipe:
 
 def _check_variants(recipe: Recipe) -> None:
     """A layer-variant switch (eyas.draft.kinds) is for its own kind, and for the export formats that serve it."""
+    own = kind_rules(recipe.draft.kind)
+    if not recipe.draft.train_mask_embedding and not own.mask_vector:
+        raise EyasError(f"recipe key 'draft.train_mask_embedding' is false, but a {own.title or recipe.draft.kind} "
+                        "draft has no mask vector to freeze (a dflash draft has); remove the key")
     for owner, rules in KIND_RULES.items():
         for variant in rules.variants:
             key = variant.recipe_key

@@ -206,6 +206,9 @@ def test_sglang_export_of_a_draft_on_the_target_rows(tmp_path, tiny_llama_dir):
 def test_recipe_rules():
     recipe = from_dict({"draft": {"kind": "dflash", "num_steps": 4}})
     assert recipe.train.ttt_steps == 4  # every mask slot trains
+    with pytest.raises(EyasError, match="'draft.train_mask_embedding' is false, but a P-EAGLE draft has no mask vector"):
+        from_dict({"draft": {"kind": "peagle", "train_mask_embedding": False}})
+    assert not from_dict({"draft": {"kind": "dflash", "train_mask_embedding": False}}).draft.train_mask_embedding
     with pytest.raises(EyasError, match="mask slots 3-4 would get no gradient"):
         from_dict({"draft": {"kind": "dflash", "num_steps": 4}, "train": {"ttt_steps": 2}})
     with pytest.raises(EyasError, match="outside the target's vocabulary"):

@@ -37,6 +37,8 @@ class KindRules:
     step_unit: str = "layers"  # what draft.num_steps counts, as messages name it
     # trains its lm_head unless `draft.train_lm_head: false` (configs from before that field: this value)
     trains_lm_head: bool = False
+    # its mask slots carry a vector of their own (`mask_embedding`), trained unless `draft.train_mask_embedding: false`
+    mask_vector: bool = False
 
 
 KIND_RULES: dict[str, KindRules] = {
@@ -50,7 +52,8 @@ KIND_RULES: dict[str, KindRules] = {
     # one forward drafts the block; the unroll's step k is the block's mask slot k+1, num_steps slots
     # EAGLE-3 drafting its steps from mask slots, all in one forward (eyas/draft/peagle.py)
     "peagle": KindRules(title="P-EAGLE", trains_lm_head=True),
-    "dflash": KindRules(title="DFlash", unroll_per_layer=True, step_unit="mask slots", trains_lm_head=True),
+    "dflash": KindRules(title="DFlash", unroll_per_layer=True, step_unit="mask slots", trains_lm_head=True,
+                        mask_vector=True),
 }
 
 
