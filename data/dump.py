@@ -81,7 +81,7 @@ def feature_spec(recipe: Any, target_config: Any) -> dict:
     depth = int(target_config.num_hidden_layers)
     dump = recipe.dump
     spec: dict = {"aux_layers": [], "last_hidden": False, "topk": 0}
-    if head_class(recipe.draft.kind).feature == "aux_hidden":
+    if head_class(recipe.draft.kind).feature_spec.fused_layers:
         spec["aux_layers"] = list(dump.layers) if dump.layers else default_layers(depth)
         spec["last_hidden"] = dump.teacher == "last_hidden"
     else:  # the other kinds read the last hidden state as their feature

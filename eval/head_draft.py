@@ -52,7 +52,7 @@ class HeadDraft:
         cfg = head.config
         self.vocab_size = int(cfg.vocab_size)
         # the target hidden states the decoder hands over: the fused layers, or the last one (post-norm)
-        self.feature_layers = list(cfg.aux_layers) if head.feature == "aux_hidden" else [-1]
+        self.feature_layers = list(cfg.aux_layers) if head.feature_spec.fused_layers else [-1]
         self.max_depth = head.max_depth()
         device = next(head.parameters()).device
         self.device = device

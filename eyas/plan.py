@@ -44,6 +44,7 @@ from eyas.data.dump import feature_spec, manifest_features, sample_lengths
 from eyas.data.prepare import load_prepared
 from eyas.data.shards import encode, ids_dtype
 from eyas.draft.config import target_shapes, text_config
+from eyas.draft.features import FUSED_LAYERS, LAST_HIDDEN
 from eyas.draft.head import DraftHead
 from eyas.draft.registry import build_head, head_class, uses_draft_vocab
 from eyas.errors import EyasError
@@ -478,7 +479,7 @@ def train_need(recipe: Recipe, config: Any, s: Shapes, d: DraftSize, hw: Hardwar
     steps = 1 if head_class(recipe.draft.kind).feature_regression else cfg.ttt_steps
     spec = feature_spec(recipe, config)
     features = manifest_features(spec, s.hidden)
-    widths = sum(int(f["shape"][0]) for name, f in features.items() if name in ("aux_hidden", "last_hidden"))
+    widths = sum(int(f["shape"][0]) for name, f in features.items() if name in (FUSED_LAYERS.name, LAST_HIDDEN.name))
     batch = n * (4 * widths + spec["topk"] * (4 + 8) + 8 + 4 + 8)
     project = projection_bytes(s, d, p, n, int(features[head_class(recipe.draft.kind).feature]["shape"][0]))
     dense = hw.device == "cuda" and p.activation == 4 and steps > 1

@@ -193,7 +193,7 @@ def open_source(recipe: Recipe, target_config: Any, identity: str, device: Any, 
         return Source(reader, shards["heldout"], shards["layers"], d2t, None, desc)
     if target_model is None:
         target_model, _ = load_target(recipe.target, device)
-    fused = head_class(kind).feature == "aux_hidden"
+    fused = bool(head_class(kind).feature_spec.fused_layers)
     layers = (list(recipe.dump.layers) or default_layers(int(target_config.num_hidden_layers))) if fused else []
     train_reader = PreparedReader(load_prepared(run_dir, "train"))
     heldout = load_prepared(run_dir, "heldout")

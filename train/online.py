@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from eyas.data.dump import HiddenCapture
+from eyas.draft.features import FUSED_LAYERS, LAST_HIDDEN
 
 
 class PreparedReader:
@@ -37,7 +38,8 @@ class PreparedReader:
 
 
 class OnlineFeatures:
-    """Adds `aux_hidden` (eagle3) and `last_hidden` to a batch by running the frozen target."""
+    """Adds the fused layers (the kinds that read them) and the last hidden state to a batch by running
+    the frozen target, under the batch keys the shards give them (eyas.draft.features)."""
 
     def __init__(self, model: Any, aux_layers: list[int]) -> None:
         self.model = model
@@ -49,8 +51,8 @@ class OnlineFeatures:
         aux, last = self.capture(batch["input_ids"])
         batch = dict(batch)
         if self.aux_layers:
-            batch["aux_hidden"] = torch.cat(aux, dim=-1).float()
-        batch["last_hidden"] = last.float()
+            batch[FUSED_LAYERS.name] = torch.cat(aux, dim=-1).float()
+        batch[LAST_HIDDEN.name] = last.float()
         return batch
 
     def close(self) -> None:
