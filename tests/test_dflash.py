@@ -147,13 +147,7 @@ def test_vllm_export_round_trips(tmp_path, tiny_llama_dir):
         assert {"lm_head.weight", "d2t", "t2d"} <= set(f.keys()) and "embed_tokens.weight" not in set(f.keys())
     mask = torch.load(out / "mask_embedding.pt", weights_only=True)
     assert mask["mask_token_id"] == head.config.mask_token_id and torch.equal(mask["embedding"], head.mask_embedding.detach())
-    back = load_exported(out, target.get_input_embeddings().weight)
-    sequence = torch.randint(3, target.config.vocab_size, (16,), generator=torch.Generator().manual_seed(4))
-    features = _features(target, sequence, head.config.aux_layers)
-    with torch.inference_mode():
-        for a, b in zip(head.training_logits(sequence[None], features[None], SLOTS),
-                        back.training_logits(sequence[None], features[None], SLOTS)):
-            torch.testing.assert_close(a, b)
+    _assert_same_logits(head, load_exported(out, target.get_input_embeddings().weight), target)
     with pytest.raises(EyasError, match="trained with 3 mask slots"):
         export_draft(checkpoint, "vllm", tmp_path / "deep", dtype="float32", speculative_tokens=SLOTS + 1)
     with pytest.raises(EyasError, match="train it with draft.use_draft_vocab=false draft.train_lm_head=false "
@@ -194,8 +188,12 @@ def test_sglang_export_of_a_draft_on_the_target_rows(tmp_path, tiny_llama_dir):
     assert "--speculative-algorithm DFLASH" in serve and serve.endswith(f"--speculative-num-draft-tokens {SLOTS + 1}")
     with pytest.raises(EyasError, match="sglang dflash export uses the target's lm_head"):
         load_exported(out, embed)
-    back = load_exported(out, embed, lm_head)
-    sequence = torch.randint(3, target.config.vocab_size, (16,), generator=torch.Generator().manual_seed(5))
+    _assert_same_logits(head, load_exported(out, embed, lm_head), target)
+
+
+def _assert_same_logits(head, back, target) -> None:
+    """`back` (an export read back) gives `head`'s logits at every slot of every block of a random sequence."""
+    sequence = torch.randint(3, target.config.vocab_size, (16,), generator=torch.Generator().manual_seed(4))
     features = _features(target, sequence, head.config.aux_layers)
     with torch.inference_mode():
         for a, b in zip(head.training_logits(sequence[None], features[None], SLOTS),
