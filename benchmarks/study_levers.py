@@ -146,6 +146,7 @@ SUITES = ("chat", "broad")
 def stage_eval(data: Path, out: Path, names: list[str], timings: dict, groups: list[str],
                extra: list[str] | None = None, vllm: bool = False) -> None:
     prompts = {"chat": "heldout", "broad": str(broad_subset(out / "broad-subset.jsonl"))}
+    link_data(data, out / "base")  # the evals run as `base` (its held-out prompts), trained or not
     for group in groups:
         shape, member = GROUPS[group]
         for suite in SUITES:
@@ -193,6 +194,8 @@ def stage_report(out: Path, names: list[str], steps: int, timings: dict, tag: st
     rows = []
     for group, (shape, member) in GROUPS.items():
         reports = {s: group_reports(out, group, s) for s in SUITES}
+        if not any(reports.values()):
+            continue  # a group this study did not evaluate
         configs = {s: [c for report in reports[s] for c in report["configs"]] for s in SUITES}
         served = {s: {row["eyas_label"]: row for report in reports[s] for row in (report.get("vllm") or {}).get("rows", {}).values()}
                   for s in SUITES}
