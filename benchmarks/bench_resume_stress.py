@@ -22,7 +22,13 @@ with torch.load(weights_only=True)) and random states (python, numpy, torch), th
 in trainer.json, and every logged loss must equal the reference's bitwise. A drill's line gives the
 signal's point, the step saved, and for a difference the first differing tensor, its largest
 absolute difference and the first step whose logged loss differs (which tells a first launch that
-already diverged from a resume that went wrong).
+already diverged from a resume that went wrong). A drill whose first launch differed at a step it had
+logged before the signal is no resume fault (the resumed launch rewrites only the rows after the
+checkpoint): it is reported and counted (`BENCH launches_diverged_before_signal`, `launch_divergences`
+in the JSON), its folder kept, and the pair run once more: a fresh reference launch (the reference
+from then on; the JSON says whether it equals the first) and the same plan drilled against it, whose
+result is the drill's. Either launch of a pair may be the one that did not reproduce, so drilling
+again against the same reference would not decide.
 
 Launches are cheap by default (`--launch fork`): a multiprocessing fork server imports eyas, torch
 and transformers once and each launch is a fork of it running exactly what `python -m eyas.train`
@@ -59,6 +65,8 @@ from dataclasses import asdict, dataclass, field  # noqa: E402
 from typing import Any  # noqa: E402
 
 from machine import machine, output_path, smoke_note, versions  # noqa: E402  (benchmarks/machine.py)
+
+from eyas.train.metrics import first_loss_difference, logged_losses  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "bench_resume_stress.json"
 # tests/test_train_distributed.py's `workspace` recipe, with the SIGTERM test's overrides
@@ -242,20 +250,40 @@ def first_difference(got: dict[str, Any], want: dict[str, Any]) -> tuple[str, fl
     return None
 
 
-def logged_losses(run: Path) -> dict[int, float]:
-    """step -> logged loss of the run's train rows (the loss of step s is computed with the weights after s - 1)."""
-    rows = [json.loads(line) for line in (run / "logs" / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
-
-
-def first_loss_difference(run: Path, reference: dict[int, float]) -> int | None:
-    got = logged_losses(run)
-    if sorted(got) != sorted(reference):
-        return -1  # steps missing or logged twice
-    return next((s for s in sorted(reference) if got[s] != reference[s]), None)
+def train_rows(run: Path) -> int:
+    """Complete train rows in a live run's metrics.jsonl (a line still being written is left out)."""
+    try:
+        lines = (run / "logs" / "metrics.jsonl").read_bytes().split(b"\n")[:-1]
+    except FileNotFoundError:
+        return 0
+    return sum(json.loads(line).get("kind") == "train" for line in lines)
 
 
 # ----------------------------------------------------------------------------- drills
+
+
+@dataclass
+class Reference:
+    """An uninterrupted launch's final checkpoint tensors and logged losses, which every drill must equal."""
+
+    name: str
+    tensors: dict[str, Any]
+    losses: dict[int, float]
+    step_s: float
+
+
+def run_reference(launcher: Launcher, recipe: Path, root: Path, name: str, smoke: bool) -> Reference:
+    run = new_run(root, name)
+    # a real `python -m eyas.train` (a smoke run saves the interpreter start: it tests the plumbing)
+    code, step_s = run_to_end(launcher, recipe, [f"run.name={name}"], run, mode=None if smoke else "exec")
+    if code != 0:
+        raise SystemExit(f"the uninterrupted reference run {name} exited {code}:\n"
+                         + (run / "launch.log").read_text(errors="replace")[-3000:])
+    return Reference(name, checkpoint_tensors(final_checkpoint(run)), logged_losses(run), step_s)
+
+
+def same_launch(a: Reference, b: Reference) -> bool:
+    return first_difference(a.tensors, b.tensors) is None and first_loss_difference(a.losses, b.losses) is None
 
 
 @dataclass
@@ -294,35 +322,45 @@ class Drill:
     difference: str = ""
     max_abs_diff: float | None = None
     first_loss_step: int | None = None
+    rows_at_signal: int = 0  # train rows the first launch had logged when the signal was sent
     seconds: float = 0.0
     note: str = ""
+    retried_after: str = ""  # a first attempt that diverged before its signal (`diverged_before_signal`)
+
+    @property
+    def diverged_before_signal(self) -> bool:
+        """The first launch's own rows already differed before the SIGTERM: a launch that was not
+        bitwise reproducible, which no resume caused (the resumed launch rewrites only later rows)."""
+        return not self.equal and self.first_loss_step is not None and 0 < self.first_loss_step <= self.rows_at_signal
 
 
-def wait_and_signal(job: Job, run: Path, plan: Plan) -> str:
-    """Send SIGTERM at the planned point; returns a note when the run ended before it."""
+def wait_and_signal(job: Job, run: Path, plan: Plan) -> tuple[str, int]:
+    """Send SIGTERM at the planned point; returns (a note when the run ended before it, the train rows
+    logged when the signal was sent)."""
     deadline = time.monotonic() + LAUNCH_TIMEOUT_S
     while metrics_lines(run) < plan.after_line:
         if job.poll() is not None:
-            return f"ended (exit {job.poll()}) before line {plan.after_line}"
+            return f"ended (exit {job.poll()}) before line {plan.after_line}", 0
         if time.monotonic() > deadline:
-            return "no metrics line in time"
+            return "no metrics line in time", 0
         time.sleep(0.005)
     time.sleep(plan.delay_s)
+    rows = train_rows(run)
     if job.poll() is not None:
-        return "ended before the signal"
+        return "ended before the signal", rows
     os.kill(job.pid, signal.SIGTERM)
-    return ""
+    return "", rows
 
 
-def drill(index: int, plan: Plan, launcher: Launcher, recipe: Path, root: Path, steps: int,
-          reference: dict[str, Any], reference_losses: dict[int, float]) -> Drill:
+def drill(index: int, plan: Plan, launcher: Launcher, recipe: Path, root: Path, steps: int, reference: Reference,
+          again: bool = False) -> Drill:
     started = time.monotonic()
     result = Drill(index, plan.kind, plan.after_line, round(plan.delay_s, 3))
-    name = f"drill_{index:03d}"
+    name = f"drill_{index:03d}" + ("_again" if again else "")  # a drill done again keeps the first one's folder
     run = new_run(root, name)
     overrides = [f"run.name={name}", *plan.overrides]
     job = launcher.start(recipe, overrides, run / "launch.log")
-    result.note = wait_and_signal(job, run, plan)
+    result.note, result.rows_at_signal = wait_and_signal(job, run, plan)
     code = job.wait(LAUNCH_TIMEOUT_S)
     if code is None:
         job.kill()
@@ -337,8 +375,8 @@ def drill(index: int, plan: Plan, launcher: Launcher, recipe: Path, root: Path, 
     final = final_checkpoint(run)
     if final is None or final.name != f"step_{steps:08d}":
         return _failed(result, run, f"no step_{steps:08d} checkpoint after the resume ({final})", started)
-    differs = first_difference(checkpoint_tensors(final), reference)
-    result.first_loss_step = first_loss_difference(run, reference_losses)
+    differs = first_difference(checkpoint_tensors(final), reference.tensors)
+    result.first_loss_step = first_loss_difference(logged_losses(run), reference.losses)
     result.equal = differs is None and result.first_loss_step is None
     if differs is not None:
         result.difference, result.max_abs_diff = differs
@@ -408,26 +446,37 @@ def stress(args: argparse.Namespace, root: Path, out: Path) -> int:
     tree = code_state()
     recipe = build_workspace(root, args.steps)
     launcher = Launcher(args.launch)
-    ref_run = new_run(root, "reference")
-    # a real `python -m eyas.train` (a smoke run saves the interpreter start: it tests the plumbing)
-    code, step_s = run_to_end(launcher, recipe, ["run.name=reference"], ref_run, mode=None if args.smoke else "exec")
-    if code != 0:
-        raise SystemExit(f"the uninterrupted reference run exited {code}:\n"
-                         + (ref_run / "launch.log").read_text(errors="replace")[-3000:])
-    reference = checkpoint_tensors(final_checkpoint(ref_run))
-    reference_losses = logged_losses(ref_run)
-    print(f"# reference: {args.steps} steps, {step_s:.3f} s/step, {len(reference)} tensors and values compared per drill; "
-          f"launch {args.launch}", flush=True)
+    reference = run_reference(launcher, recipe, root, "reference", args.smoke)
+    step_s = reference.step_s
+    print(f"# reference: {args.steps} steps, {step_s:.3f} s/step, {len(reference.tensors)} tensors and values compared "
+          f"per drill; launch {args.launch}", flush=True)
     rng = random.Random(args.seed)
     drills: list[Drill] = []
+    launch_divergences: list[dict] = []  # first attempts that diverged before their signal
     loads: list[list[float]] = []
     for index in range(args.drills):
         if args.minutes and time.monotonic() - started > 60 * args.minutes:
             print(f"# stopped after {len(drills)} drills: --minutes {args.minutes:g} reached", flush=True)
             break
         loads.append([round(x, 2) for x in os.getloadavg()])
-        result = drill(index, plan_drill(rng, args.steps, step_s), launcher, recipe, root, args.steps,
-                       reference, reference_losses)
+        plan = plan_drill(rng, args.steps, step_s)
+        result = drill(index, plan, launcher, recipe, root, args.steps, reference)
+        if result.diverged_before_signal:
+            # Not a resume fault (rows before the signal are the first launch's own), and either launch of the
+            # pair may be the one that did not reproduce: run the pair again, a fresh reference and the same
+            # drill, and let the second pair decide (a resume fault differs every time). The fresh reference
+            # stays the reference for the drills after.
+            first = describe(result)
+            fresh = run_reference(launcher, recipe, root, f"reference_again_{index:03d}", args.smoke)
+            equal = same_launch(fresh, reference)
+            print(f"{first}\n# drill {index}: the first launch already differed at step {result.first_loss_step}, before its "
+                  f"signal (it had logged {result.rows_at_signal} steps): a launch that was not bitwise reproducible, not a "
+                  f"resume fault; a fresh reference launch {'equals' if equal else 'DIFFERS from'} the first one; "
+                  "drilling the same plan again against it", flush=True)
+            launch_divergences.append({**asdict(result), "fresh_reference_equal": equal})
+            reference = fresh
+            result = drill(index, plan, launcher, recipe, root, args.steps, reference, again=True)
+            result.retried_after = first
         drills.append(result)
         print(describe(result), flush=True)
     passed = sum(d.equal for d in drills)
@@ -435,11 +484,12 @@ def stress(args: argparse.Namespace, root: Path, out: Path) -> int:
               "launch": args.launch, "step_s_reference": step_s, "seconds": round(time.monotonic() - started, 1),
               "load_average_per_drill": loads, "env": TEST_ENV, "smoke": args.smoke,
               "machine": machine(), "versions": versions("accelerate", "transformers"), "code": tree,
-              "results": [asdict(d) for d in drills]}
+              "launch_divergences": launch_divergences, "results": [asdict(d) for d in drills]}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))
     print(f"# {out}")
     print(f"BENCH resume_bitwise_equal {passed} of {len(drills)}")
+    print(f"BENCH launches_diverged_before_signal {len(launch_divergences)} of {len(drills) + len(launch_divergences)}")
     return 0 if passed == len(drills) else 1
 
 

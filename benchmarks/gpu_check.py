@@ -605,12 +605,41 @@ def resume_tolerance(ctx: Context, config: str) -> float | str:
 
 
 def train_case(ctx: Context, config: str, processes: int) -> dict:
-    """Uninterrupted run (saves at SAVE_AT and TRAIN_STEPS), then a second launch resuming from its SAVE_AT save."""
+    """Uninterrupted run (saves at SAVE_AT and TRAIN_STEPS), then a second launch resuming from its SAVE_AT save.
+
+    A bitwise case that differs is run once more in fresh folders, and that second pair decides: on some
+    CPUs a fresh training launch is, rarely, not bitwise reproducible even without a resume (seen in CI,
+    cause unknown: docs/reliability.md), while a real resume fault differs every time. The first
+    attempt's figures stay in the report (`first_attempt`)."""
     if config == "fsdp.yaml" and not ctx.cuda:
         raise Skip("accelerate runs FSDP on GPUs only")
     if config.startswith("deepspeed") and ctx.missing("deepspeed"):
         raise Skip("needs deepspeed (not installed)")
     name = f"train-{config.removesuffix('.yaml')}-{processes}p"
+    tolerance = resume_tolerance(ctx, config)
+    figures, resumed = train_pair(ctx, config, processes, name)
+    if tolerance == "bitwise" and not figures["bitwise_equal"]:
+        print(f"# gpu_check train: {name}: resumed weights differ from the uninterrupted run's by "
+              f"{figures['max_abs_diff']:.3g} at most; running the pair once more (a launch that was not "
+              "reproducible, or a resume fault: the second pair tells)", flush=True)
+        first = figures
+        figures, resumed = train_pair(ctx, config, processes, f"{name}-again")
+        figures["first_attempt"] = first
+    if tolerance == "bitwise" and not figures["bitwise_equal"]:
+        raise CheckFailed(f"{name}: resumed weights are not bitwise equal to the uninterrupted run's in fp32 on the CPU "
+                          f"(max abs diff {figures['max_abs_diff']:.3g}{', twice running' if 'first_attempt' in figures else ''})",
+                          figures)
+    if tolerance != "bitwise" and figures["rel_to_update"] > tolerance:
+        raise CheckFailed(f"{name}: resumed weights differ from the uninterrupted run by {figures['rel_to_update']:.3g} "
+                          f"of the continued steps' update (tolerance {tolerance})", figures)
+    ctx.shared.setdefault("checkpoint", resumed / "checkpoints" / f"step_{TRAIN_STEPS:08d}")
+    return figures
+
+
+def train_pair(ctx: Context, config: str, processes: int, name: str) -> tuple[dict, Path]:
+    """The uninterrupted launch and the resumed one; their weight difference and losses, and the resumed run."""
+    from eyas.train.metrics import first_loss_difference, logged_losses  # eyas from the site import_eyas chose
+
     source = ctx.shared["train_source"]
     full = new_run(ctx, f"{name}-full", source, ("prepared", "shards"))
     env = child_env(OMP_NUM_THREADS="1")
@@ -627,15 +656,9 @@ def train_case(ctx: Context, config: str, processes: int) -> dict:
     figures = weight_difference(weights(resumed, TRAIN_STEPS), weights(full, TRAIN_STEPS), weights(full, SAVE_AT))
     figures["losses"] = [round(r["loss"], 5) for r in train_log(full)]
     figures["resumed_losses"] = [round(r["loss"], 5) for r in train_log(resumed)]
-    tolerance = resume_tolerance(ctx, config)
-    if tolerance == "bitwise" and not figures["bitwise_equal"]:
-        raise CheckFailed(f"{name}: resumed weights are not bitwise equal to the uninterrupted run's in fp32 on the CPU "
-                          f"(max abs diff {figures['max_abs_diff']:.3g})", figures)
-    if tolerance != "bitwise" and figures["rel_to_update"] > tolerance:
-        raise CheckFailed(f"{name}: resumed weights differ from the uninterrupted run by {figures['rel_to_update']:.3g} "
-                          f"of the continued steps' update (tolerance {tolerance})", figures)
-    ctx.shared.setdefault("checkpoint", resumed / "checkpoints" / f"step_{TRAIN_STEPS:08d}")
-    return figures
+    continued = {step: loss for step, loss in logged_losses(full).items() if step > SAVE_AT}  # the resumed run's steps
+    figures["first_differing_loss_step"] = first_loss_difference(logged_losses(resumed), continued)
+    return figures, resumed
 
 
 def step_train(ctx: Context) -> dict:
@@ -824,8 +847,10 @@ def main(argv: list[str] | None = None) -> int:
     report = {"script": "gpu_check", "started": begin.isoformat(timespec="seconds"), "argv": sys.argv[1:],
               "mode": "cuda" if cuda else "cpu", "smoke": args.smoke, "gpus": gpus, "visible_gpus": visible,
               "machine": machine(), "packages": ctx.packages, "missing_packages": missing, "steps": {}}
+    host = report["machine"]
     print(f"# gpu_check: {'CUDA, ' + str(gpus) + ' GPU(s)' if cuda else 'CPU sizes'}"
-          f"{' (--smoke: ' + ', '.join(SMOKE_STEPS) + ')' if args.smoke else ''}; missing packages: "
+          f"{' (--smoke: ' + ', '.join(SMOKE_STEPS) + ')' if args.smoke else ''}; host CPU {host['cpu_model']} "
+          f"({host['cpus']} CPUs; {' '.join(host['isa']) or 'no AVX2'}); missing packages: "
           f"{', '.join(missing) or 'none'}; writing {ctx.out / 'gpu_check.json'}", flush=True)
     try:
         for name in STEPS:

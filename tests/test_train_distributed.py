@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 from train_helpers import make_workspace, new_run
+
+from eyas.train.metrics import first_loss_difference, logged_losses
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -91,7 +94,7 @@ def _initial_fc(workspace) -> torch.Tensor:
     """fc.weight as the head starts (same seed): proves the comparison is not between two untrained heads."""
     from accelerate.utils import set_seed
 
-    from eyas.config import DraftConfig
+    from eyas.config import DraftConfig, default_layers
     from eyas.data.vocab import load_vocab
     from eyas.draft.registry import build_head
     from eyas.targets import load_target_config
@@ -99,7 +102,7 @@ def _initial_fc(workspace) -> torch.Tensor:
     set_seed(0)
     config = load_target_config(str(workspace["target"]))
     d2t = load_vocab(workspace["root"] / "base" / "shards")[0]
-    return build_head(DraftConfig(), config, [2, 3, 3], d2t).fc.weight.detach()
+    return build_head(DraftConfig(), config, default_layers(config.num_hidden_layers), d2t).fc.weight.detach()
 
 
 def test_deepspeed_zero2_two_processes_trains(workspace):
@@ -126,13 +129,28 @@ def test_deepspeed_zero3_two_processes_equal_one_process(workspace, one_process)
 
 
 def test_sigterm_checkpoints_exits_zero_and_resumes_exactly(workspace):
+    """A real SIGTERM checkpoints, exits 0, and the resumed run ends bitwise equal to an uninterrupted one.
+
+    A pair that differs is run once more and that pair decides: on some machines a fresh launch is,
+    rarely, not bitwise reproducible even without a resume (seen in CI; cause unknown, docs/reliability.md),
+    while a resume fault differs every time. The first difference is reported as a warning."""
+    differs = _preempt_and_compare(workspace, "")
+    if differs:
+        warnings.warn(f"SIGTERM resume: the first pair differed ({differs}); running it once more", stacklevel=1)
+        again = _preempt_and_compare(workspace, "_again")
+        assert again is None, f"twice running: {differs}; then {again}"
+
+
+def _preempt_and_compare(workspace, tag: str) -> str | None:
+    """An uninterrupted run and a SIGTERM'd-then-resumed one; None when the final weights are bitwise equal,
+    else what differs (the first differing tensor, its largest difference, the first differing logged loss)."""
     total = 40
     args = [sys.executable, "-m", "eyas.train", str(workspace["recipe"]), f"train.max_steps={total}",
             "train.save_every=0", "train.eval_every=0"]
-    reference = new_run(workspace, "no_signal")
-    _launch(args + ["run.name=no_signal"])
-    run = new_run(workspace, "preempted")
-    proc = subprocess.Popen(args + ["run.name=preempted"], cwd=REPO, env=_env(),
+    reference = new_run(workspace, "no_signal" + tag)
+    _launch(args + [f"run.name=no_signal{tag}"])
+    run = new_run(workspace, "preempted" + tag)
+    proc = subprocess.Popen(args + [f"run.name=preempted{tag}"], cwd=REPO, env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = run / "logs" / "metrics.jsonl"
     deadline = time.monotonic() + 180
@@ -146,11 +164,15 @@ def test_sigterm_checkpoints_exits_zero_and_resumes_exactly(workspace):
     saved = [int(p.name.split("_")[1]) for p in (run / "checkpoints").glob("step_*")]
     assert len(saved) == 1 and 2 <= saved[0] < total, saved
     assert "SIGTERM at step" in out + err
-    _launch(args + ["run.name=preempted"])
+    _launch(args + [f"run.name=preempted{tag}"])
     assert [r["step"] for r in _log(run)] == list(range(1, total + 1))
     wa, wb = _final_weights(reference), _final_weights(run)
-    for name in wa:
-        assert torch.equal(wa[name], wb[name]), name
+    name = next((name for name in wa if not torch.equal(wa[name], wb[name])), None)
+    if name is None:
+        return None
+    step = first_loss_difference(logged_losses(run), logged_losses(reference))
+    return (f"{name} differs by {float((wa[name] - wb[name]).abs().max()):.3g} at most; first differing logged loss: "
+            f"step {step} (checkpoint at step {saved[0]})")
 
 
 # ---- resuming on another number of processes ---------------------------------------------------

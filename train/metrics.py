@@ -128,3 +128,16 @@ def _flat(tree: dict, prefix: str = "") -> dict:
         else:
             out[name] = value if isinstance(value, (int, float, str, bool)) else str(value)
     return out
+
+
+def logged_losses(run_dir: Path) -> dict[int, float]:
+    """{step: loss} of the train rows a run logged to `logs/metrics.jsonl`."""
+    lines = (Path(run_dir) / "logs" / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    return {row["step"]: row["loss"] for row in map(json.loads, lines) if row.get("kind") == "train"}
+
+
+def first_loss_difference(got: dict[int, float], want: dict[int, float]) -> int | None:
+    """The first step whose logged loss differs bitwise between two runs, or that only one of them
+    logged; None when every step agrees. It tells a launch that diverged from its first step from a
+    resume that went wrong after its checkpoint."""
+    return next((step for step in sorted(set(got) | set(want)) if got.get(step) != want.get(step)), None)
