@@ -133,15 +133,15 @@ def time_dump(recipe, model, tokenizer, use_output_hidden_states: bool = False) 
     original = dump_module.HiddenCapture.__call__
     inside = [0.0]
 
-    def via_ohs(self, input_ids):
+    def via_ohs(self, input_ids, lengths=None):
         out = self.decoder(input_ids=input_ids, use_cache=False, output_hidden_states=True)
         return [out.hidden_states[i] for i in self.aux_layers], out.last_hidden_state
 
     forward = via_ohs if use_output_hidden_states else original
 
-    def timed(self, input_ids):
+    def timed(self, input_ids, lengths=None):
         start = time.perf_counter()
-        result = forward(self, input_ids)
+        result = forward(self, input_ids, lengths)
         inside[0] += time.perf_counter() - start
         return result
 

