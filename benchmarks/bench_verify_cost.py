@@ -64,7 +64,8 @@ def main(argv=None) -> int:
     def one_forward(dtype: str, n: int) -> float:
         model = models[dtype]
         cache = copy.deepcopy(prefilled[dtype])
-        mask = tree_mask(args.prefix, torch.ones(n, n, dtype=torch.bool).tril(), model.dtype, model.device)
+        mask = tree_mask(model.config, args.prefix, torch.ones(n, n, dtype=torch.bool).tril(), list(range(n)), model.dtype,
+                         model.device)
         positions = torch.arange(args.prefix, args.prefix + n)[None]
         start = time.perf_counter()
         model(input_ids=new_ids[:, :n], position_ids=positions, attention_mask=mask, use_cache=True,

@@ -155,6 +155,8 @@ class SpeculativeDecoder:
         root = self._choose(logits[-1])
         result.tokens.append(root)
         if root not in self.eos and max_new_tokens > 1:
+            if hasattr(self.draft, "plan_depth"):  # one draft object may serve decoders of several depths
+                self.draft.plan_depth(self.shape.depth)
             root_logits = start(prompt.to(self.device), root, features)
             while True:
                 kept, accepted, bonus, features = self._round(cache, prefix, root, root_logits, expand,
@@ -174,7 +176,8 @@ class SpeculativeDecoder:
         """Draft, verify, prune. Returns (kept draft ids, accepted tokens, bonus, features for the commit)."""
         tree = build_tree(self.shape, root, root_logits, expand, self.params, self.generator)
         positions = [prefix + d for d in tree.depths]
-        mask = tree_mask(prefix, tree.ancestor_mask(), self.target.dtype, self.device)
+        mask = tree_mask(self.target.config, prefix, tree.ancestor_mask(), tree.depths, self.target.dtype,
+                         self.device)
         logits, features = target_forward(cache, tree.tokens, positions, mask)
         if self.params.greedy:
             path, bonus = verify_greedy(tree.children, tree.tokens, logits.argmax(-1).tolist())

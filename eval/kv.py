@@ -4,6 +4,12 @@ transformers passes a 4D attention mask through untouched (`masking_utils` retur
 tensor as it is), so the tree mask is built here as an additive float mask
 [1, 1, new, cached + new] in the model's dtype: 0 where a query may attend, the dtype's
 minimum elsewhere. sdpa and eager attention both take it; flash-attention-2 cannot.
+Sliding-window layers (gpt-oss, Gemma 3, Mistral, Qwen2 with `use_sliding_window`) get a mask of
+their own that also hides keys `sliding_window` or more positions behind the query, measured in
+positions (a tree node sits at its root's position + depth), exactly as transformers' own sliding
+mask hides them; a model with both kinds of layer takes the two masks as a dict keyed by layer
+type, the form its forward looks them up in. The cache keeps every layer's full history (a plain
+`DynamicCache`), so pruning works alike on both kinds and the window is the mask's alone.
 Pruning keeps the accepted path by moving its entries next to the prefix and slicing the
 rest off; the prefix is never recomputed.
 
@@ -21,13 +27,27 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from eyas.errors import EyasError
 
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+def attention_kinds(config) -> list[str]:
+    """Each layer's attention as the model's forward picks its mask: the config's `layer_types` where it has
+    them, else every layer sliding when `sliding_window` is set (Mistral's convention), else every layer full."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return list(types)
+    return [SLIDING if getattr(config, "sliding_window", None) else FULL] * int(config.num_hidden_layers)
+
 
 def check_attention(model) -> None:
-    """The decoder needs full-attention layers (prunable caches) and a kernel that takes a 4D mask."""
-    sliding = [t for t in (getattr(model.config, "layer_types", None) or []) if t != "full_attention"]
-    if sliding:
-        raise EyasError(f"the target has {len(sliding)} '{sliding[0]}' layers; the eval decoder prunes full-attention "
-                        "KV caches only (sliding-window and linear-attention targets are not supported yet)")
+    """The decoder needs full or sliding-window attention layers and a kernel that takes a 4D mask."""
+    kinds = attention_kinds(model.config)
+    other = [kind for kind in kinds if kind not in (FULL, SLIDING)]
+    if other:
+        raise EyasError(f"the target has {len(other)} '{other[0]}' layers; the eval decoder handles full and "
+                        "sliding-window attention only (linear-attention and hybrid targets are not supported yet)")
+    if SLIDING in kinds and not getattr(model.config, "sliding_window", None):
+        raise EyasError("the target's config names sliding-window layers but sets no sliding_window; fix its config.json")
     impl = getattr(model.config, "_attn_implementation", "sdpa")
     if impl not in ("sdpa", "eager"):
         raise EyasError(
@@ -63,11 +83,22 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype, device) -> torch.Te
     return torch.where(visible.to(device), zero, blocked)[None, None]
 
 
-def tree_mask(prefix: int, tree_visible: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
-    """Mask for `new` tree tokens after `prefix` cached ones: all of the prefix plus `tree_visible`."""
+def tree_mask(config, prefix: int, tree_visible: torch.Tensor, depths: list[int], dtype: torch.dtype, device):
+    """The verify forward's mask for `new` tree tokens after `prefix` cached ones (all of the prefix plus
+    `tree_visible`), node i at position prefix + depths[i]: one tensor where every layer is of one kind and
+    the model takes a tensor, else {layer type: mask}."""
     new, width = tree_visible.shape
     visible = torch.cat([torch.ones(new, prefix, dtype=torch.bool), tree_visible.cpu()], dim=1)
-    return additive_mask(visible, dtype, device)
+    kinds = set(attention_kinds(config))
+    if kinds == {FULL}:
+        return additive_mask(visible, dtype, device)
+    query = prefix + torch.tensor(depths, dtype=torch.long)
+    key = torch.cat([torch.arange(prefix), query])
+    in_window = query[:, None] - key[None, :] < int(config.sliding_window)  # transformers' sliding_window_overlay
+    masks = {kind: additive_mask(visible & in_window if kind == SLIDING else visible, dtype, device) for kind in kinds}
+    if not getattr(config, "layer_types", None):  # every layer sliding, one mask (Mistral)
+        return masks[SLIDING]
+    return masks
 
 
 def keep_positions(cache, prefix: int, offsets: list[int]) -> None:

@@ -32,7 +32,8 @@ def test_tree_forward_equals_each_path_run_alone_and_pruning_keeps_the_path(tiny
         model(input_ids=torch.tensor([prefix]), use_cache=True, **{kw: cache})
         P = len(prefix)
         out = model(input_ids=torch.tensor([tree.tokens]), position_ids=torch.tensor([[P + d for d in tree.depths]]),
-                    attention_mask=tree_mask(P, tree.ancestor_mask(), model.dtype, "cpu"), use_cache=True, **{kw: cache})
+                    attention_mask=tree_mask(model.config, P, tree.ancestor_mask(), tree.depths, model.dtype, "cpu"),
+                    use_cache=True, **{kw: cache})
         for node in range(len(tokens)):
             path, i = [], node
             while i >= 0:
