@@ -39,26 +39,27 @@ import sys
 import time
 from pathlib import Path
 
-from machine import machine, output_path, smoke_dir, smoke_note, tiny_target, versions  # benchmarks/machine.py
+from machine import (  # benchmarks/machine.py
+    add_decode_args,
+    encoded_prompts,
+    load_decode_target,
+    machine,
+    output_path,
+    smoke_dir,
+    smoke_note,
+    tiny_target,
+    versions,
+)
 
 RESULTS = Path(__file__).parent / "results" / "bench_decoder_overhead.json"
-BROAD = Path(__file__).parent / "prompts" / "broad.jsonl"
 SHAPES = ["chain:4", "dynamic:depth=5,topk=4,nodes=12"]  # the quickstart's shapes
 
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default="smollm2-135m-instruct")
+    add_decode_args(parser, dtype="float32", shapes=SHAPES, max_prompts=6, max_new_tokens=48)
     parser.add_argument("--draft", default="truncated:4", help="checkpoint directory or truncated:N")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
-                        help="the target's weights (auto: bf16 where this machine runs it natively, else fp32)")
-    parser.add_argument("--shapes", nargs="+", default=SHAPES)
-    parser.add_argument("--prompts", default=str(BROAD), help="JSONL prompts, or heldout (with --run)")
-    parser.add_argument("--run", help="run directory whose held-out split --prompts heldout reads")
-    parser.add_argument("--max-prompts", type=int, default=6)
-    parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=5, help="bare forwards per prompt and length (median)")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default, as eval runs)")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="wall-clock seconds, or this process's CPU seconds (with --threads 1)")
     parser.add_argument("--profile", action="store_true", help="print torch.profiler's top ops for one decode per shape")
@@ -70,27 +71,6 @@ def parse_args(argv):
         args.target = str(tiny_target(smoke_dir("bench_decoder_overhead") / "target"))
         args.draft, args.max_prompts, args.max_new_tokens, args.repeats = "truncated:2", 2, 8, 1
     return args
-
-
-def load_model(args):
-    import torch
-
-    from eyas.config import TargetConfig
-    from eyas.precision import native_bf16
-    from eyas.targets import load_target
-
-    dtype = args.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if native_bf16(torch.device("cpu")) else "float32"
-    return (*load_target(TargetConfig(path=args.target, dtype=dtype)), dtype)
-
-
-def encoded_prompts(args, tokenizer) -> list[list[int]]:
-    """First turns only: a later turn would need the target's answer first, which is not what is measured."""
-    from eyas.eval.prompts import load_prompts, render
-
-    prompts, _ = load_prompts(args.prompts, Path(args.run) if args.run else None, args.max_prompts)
-    return [render(p, tokenizer) for p in prompts]
 
 
 class TimedDraft:
@@ -211,10 +191,8 @@ def main(argv=None) -> int:
     from eyas.eval.drafts import make_draft
     from eyas.eval.tree import parse_shape
 
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
-    model, tokenizer, dtype = load_model(args)
+    model, tokenizer, dtype = load_decode_target(args)
     greedy = SamplingParams(0.0)
     eos = stop_token_ids(model, tokenizer)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter

@@ -414,7 +414,7 @@ def child(job_path: str, result_path: str) -> int:
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from eyas.eval.engine_vllm import SHARED_FROM_TARGET, record_loads, spec_decode_counters
+        from eyas.eval.engine_vllm import record_loads, spec_decode_counters, unexpected_unloaded
 
         records: list[dict] = []
         record_loads(records)
@@ -450,8 +450,7 @@ def child(job_path: str, result_path: str) -> int:
                 groups.append({"category": group["category"], "outputs": ids, "seconds": seconds,
                                "tokens": sum(len(x) for x in ids), **counters})
             drafted = [r for r in records if "Eagle" in r["module"] or "Speculator" in r["module"]]
-            shared = SHARED_FROM_TARGET.get(run["method"], ())
-            unloaded = sorted({n for r in drafted for n in r["unloaded"] if not any(s in n.split(".") for s in shared)})
+            unloaded = unexpected_unloaded(drafted, run["shared"])
             print("EYAS_RUN_END", flush=True)
             out["runs"].append({"name": current, "startup_seconds": startup, "groups": groups, "unloaded": unloaded})
             del llm
@@ -471,6 +470,7 @@ def serve(target_dir: str, drafts: dict[str, str], groups: list[dict], args: arg
         check_load,
         check_vllm_version,
         child_env,
+        draft_run,
         require_vllm,
         stop_process,
         vllm_python,
@@ -478,7 +478,8 @@ def serve(target_dir: str, drafts: dict[str, str], groups: list[dict], args: arg
 
     version = require_vllm()
     check_vllm_version(version)
-    runs = [VllmRun("target")] + [VllmRun(name, draft=path, method="eagle3", k=args.k) for name, path in drafts.items()]
+    # the peers' drafts are EAGLE-3 drafts in vLLM's layout: served as an eyas eagle3 export is
+    runs = [VllmRun("target")] + [draft_run(name, path, "eagle3", args.k) for name, path in drafts.items()]
     longest = max(len(ids) for g in groups for ids in g["ids"])
     job = {"target": target_dir, "dtype": "float32", "max_new_tokens": args.max_new_tokens, "seed": 0,
            "max_model_len": max(longest + args.max_new_tokens + 16, 256),

@@ -145,6 +145,8 @@ SUITES = ("chat", "broad")
 
 def stage_eval(data: Path, out: Path, names: list[str], timings: dict, groups: list[str],
                extra: list[str] | None = None, vllm: bool = False) -> None:
+    from eyas.eval.engine_vllm import served_without_plugin
+
     prompts = {"chat": "heldout", "broad": str(broad_subset(out / "broad-subset.jsonl"))}
     link_data(data, out / "base")  # the evals run as `base` (its held-out prompts), trained or not
     for group in groups:
@@ -156,7 +158,7 @@ def stage_eval(data: Path, out: Path, names: list[str], timings: dict, groups: l
             todo = [n for n in names if member(n) and n not in done]
             # --vllm: the drafts vLLM serves without a plugin go through eval.engine=vllm (eyas's decode of them,
             # then vLLM's over the same prompts, in one report); the others through eyas's decoder alone
-            served = [n for n in todo if vllm and vllm_serves(kind_of(n))]
+            served = [n for n in todo if vllm and served_without_plugin(kind_of(n))]
             for engine, members in (("vllm", served), ("builtin", [n for n in todo if n not in served])):
                 if not members:
                     continue
@@ -168,15 +170,6 @@ def stage_eval(data: Path, out: Path, names: list[str], timings: dict, groups: l
                              "eval.drafts=" + json.dumps(drafts), *(extra or [])]
                 timings[f"eval:{group}:{suite}:{engine}"] = eyas("eval", data / "recipe.yaml", overrides,
                                                                   out / f"eval-{group}-{suite}.log")
-
-
-def vllm_serves(kind: str) -> bool:
-    """Whether a plain vLLM engine serves `kind`'s export (mtp needs eyas's plugin: eval.engine=builtin only)."""
-    from eyas.draft.registry import head_class
-    from eyas.eval.engine_vllm import PLUGIN_METHODS
-
-    spec = head_class(kind).export.formats.get("vllm")
-    return spec is not None and spec.method not in PLUGIN_METHODS
 
 
 def group_reports(out: Path, group: str, suite: str) -> list[dict]:

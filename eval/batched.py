@@ -22,10 +22,11 @@ with the one-at-a-time decoder up to float rounding: a batch changes matmul bloc
 masked columns to each softmax, which can move a last bit (fp32: never a token in the tests;
 bf16: a near-tie can flip, as between a verify and single steps, see `eval.kv`).
 
-Batched drafts: `truncated:N` (and any token-only `LMDraft`) and the shared-layer heads
-(eagle, eagle3). `batch_unsupported` names why any other draft or shape falls back to the
-one-at-a-time decoder (mtp: per-layer caches with their own frontiers; mixture: a test draft;
-static and dynamic trees: per-row tree layouts are not batched yet).
+Batched drafts: `truncated:N` (and any token-only `LMDraft`), the shared-layer heads
+(eagle, eagle3, peagle) and dflash (each row's block in one forward). `batch_unsupported`
+names why any other draft or shape falls back to the one-at-a-time decoder (mtp: per-layer
+caches with their own frontiers; mixture: a test draft; static and dynamic trees: per-row tree
+layouts are not batched yet).
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ from __future__ import annotations
 import torch
 
 from eyas.decode import SamplingParams, cache_kwarg, new_cache, process_logits, sample, stop_token_ids
+from eyas.errors import EyasError
 from eyas.eval.decoder import DecodeResult, SpeculativeDecoder, _Clock, _count, _cut
 from eyas.eval.drafts import LMDraft, MixtureDraft
-from eyas.eval.head_draft import SharedLayerDraft
-from eyas.eval.kv import check_attention, row_invariant_attention
+from eyas.eval.head_draft import BlockDraft, SharedLayerDraft
+from eyas.eval.kv import SLIDING, attention_kinds, check_attention, row_invariant_attention
 from eyas.eval.tree import Shape, Tree, new_tree
 from eyas.eval.verify import draw_candidates, verify_greedy, verify_sampled
 
@@ -207,11 +209,13 @@ class BatchedLMDraft:
 
 
 class BatchedSharedLayerDraft:
-    """eagle / eagle3 (`SharedLayerDraft`) over a `RaggedCache`: slot t holds (f_t, x_{t+1}) at position t;
-    a chain node at depth d is step d with its parent's hidden, attending to the committed slots and its ancestors."""
+    """eagle / eagle3 / peagle (`SharedLayerDraft`) over a `RaggedCache`: slot t holds (f_t, x_{t+1}) at position
+    t; a chain node at depth d is step d with its parent's hidden, attending to the committed slots and its
+    ancestors. A parallel drafter's mask slots for depths 1..depth-1 run in one forward at depth 1."""
 
-    def __init__(self, draft: SharedLayerDraft):
+    def __init__(self, draft: SharedLayerDraft, depth: int):
         self.draft = draft
+        self.slots = depth - 1  # a chain `depth` deep expands its nodes at depths 1..depth-1
         self.head = draft.head
         self.name = draft.name
         self.vocab_size = draft.vocab_size
@@ -247,9 +251,23 @@ class BatchedSharedLayerDraft:
 
     def expand(self, tokens: list[int]) -> torch.Tensor:
         self.depth += 1
+        if self.head.parallel_drafting:
+            return self._mask_slots(len(tokens))
         ids, feature = torch.tensor(tokens, device=self.device)[:, None], self.parent_hidden[:, None]
-        ids, feature = self.head.mask_inputs(ids, feature) or (ids, feature)  # parallel drafting: the mask slot's
         return self._append(self.depth, ids.tolist(), feature)
+
+    def _mask_slots(self, rows: int) -> torch.Tensor:
+        """Every row's depth-d mask slot logits; at depth 1, every depth's slots in one forward (`SharedLayerDraft`)."""
+        if self.depth == 1:
+            n = max(self.slots, 1)  # the slots read the mask token and feature whatever they are given
+            ids, feature = self.head.mask_inputs(torch.zeros(rows, n, dtype=torch.long, device=self.device),
+                                                 self.parent_hidden[:, None].expand(-1, n, -1))
+            counts = torch.full((rows,), n, dtype=torch.long)
+            _, logits = self._step(1, ids, feature, self.kv.append_positions(n),
+                                   self.kv.append_mask(n, counts, self.dtype, self.device))
+            self.kv.settle(counts)
+            self.slot_logits = logits
+        return self.draft._to_target(self.slot_logits[:, self.depth - 1])
 
     def commit(self, accepted: list[list[int]], roots: list[int], features: list[torch.Tensor]) -> torch.Tensor:
         # tree entries were made from draft features: drop them, recompute the accepted pairs as step 0
@@ -268,20 +286,90 @@ class BatchedSharedLayerDraft:
         self.parent_hidden = self.parent_hidden[rows.to(self.parent_hidden.device)]
 
 
-def batch_unsupported(draft, shape: Shape) -> str | None:
-    """Why this draft x shape cannot run batched (None: it can)."""
+class BatchedBlockDraft:
+    """dflash (`BlockDraft`) over a batch. Each row keeps its own context keys and values per layer (the
+    target's features of its committed tokens, at their positions). A round's blocks, one per row, run in
+    ONE forward as the blocks of one sequence whose context is every row's, each block seeing only its own
+    row's columns (`DFlashHead.block_logits` takes a visibility row per block); slot d of row b's block gives
+    row b's depth-d logits, as `BlockDraft` gives them one row at a time."""
+
+    def __init__(self, draft: BlockDraft):
+        self.draft = draft
+        self.head = draft.head
+        self.name = draft.name
+        self.vocab_size = draft.vocab_size
+        self.feature_layers = draft.feature_layers
+        self.max_depth = draft.max_depth
+        self.device = draft.device
+
+    def _context(self, features: torch.Tensor, start: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, (keys, values) [1, heads, n, dim] of one row's target features [n, F] from position `start`."""
+        projected = self.draft._project(features)
+        return self.head.context(projected[None], torch.arange(start, start + len(projected), device=self.device))
+
+    def start(self, prompts: list[list[int]], roots: list[int], features: torch.Tensor) -> torch.Tensor:
+        """features: the target's left-padded prefill features [B, W, F] (W = the longest prompt)."""
+        width = features.shape[1]
+        self.contexts = [self._context(features[b, width - len(p):], 0) for b, p in enumerate(prompts)]
+        self.positions = [len(p) for p in prompts]  # each row's root position
+        return self._blocks(roots)
+
+    def expand(self, tokens: list[int]) -> torch.Tensor:
+        self.depth += 1
+        if self.depth >= self.max_depth:
+            raise EyasError(f"the dflash draft has {self.max_depth} mask slots: shapes deeper than "
+                            f"{self.max_depth} cannot be drafted with it")
+        return self.draft._to_target(self.slots[:, self.depth])
+
+    def commit(self, accepted: list[list[int]], roots: list[int], features: list[torch.Tensor]) -> torch.Tensor:
+        """features[b]: row b's target features at its old root and accepted tokens, added to its context."""
+        for b, row in enumerate(features):
+            added = self._context(row, self.positions[b])
+            self.contexts[b] = [(torch.cat([k, nk], dim=2), torch.cat([v, nv], dim=2))
+                                for (k, v), (nk, nv) in zip(self.contexts[b], added)]
+            self.positions[b] += len(accepted[b]) + 1
+        return self._blocks(roots)
+
+    def _blocks(self, roots: list[int]) -> torch.Tensor:
+        """Every row's block after its root in one forward; keeps the slots' logits, returns slot 1's per row."""
+        context = [tuple(torch.cat([row[layer][i] for row in self.contexts], dim=2) for i in (0, 1))
+                   for layer in range(len(self.contexts[0]))]
+        lengths = torch.tensor([row[0][0].shape[2] for row in self.contexts])
+        ends = lengths.cumsum(0)
+        columns = torch.arange(int(ends[-1]))
+        visible = (columns[None, :] >= (ends - lengths)[:, None]) & (columns[None, :] < ends[:, None])
+        logits = self.head.block_logits(torch.tensor([roots], device=self.device),
+                                        torch.tensor(self.positions, device=self.device), context,
+                                        visible.to(self.device), self.max_depth)
+        self.slots, self.depth = logits[0], 0  # [B, slots, V]
+        return self.draft._to_target(self.slots[:, 0])
+
+    def select(self, rows: torch.Tensor) -> None:
+        keep = rows.tolist()
+        self.contexts = [self.contexts[b] for b in keep]
+        self.positions = [self.positions[b] for b in keep]
+        self.slots = self.slots[rows.to(self.slots.device)]
+
+
+def batch_unsupported(draft, shape: Shape, target=None) -> str | None:
+    """Why this draft x shape (on `target`) cannot run batched (None: it can)."""
+    if target is not None and SLIDING in attention_kinds(target.config):
+        return "the target's sliding-window layers: batched masks cover full attention only (one prompt at a time is exact)"
     if shape.kind != "chain":
         return f"shape '{shape.spec}': only chain shapes are batched (per-row tree layouts are not yet)"
     if isinstance(draft, MixtureDraft):
         return f"draft '{draft.name}': the mixture test draft runs one prompt at a time"
-    if isinstance(draft, (LMDraft, SharedLayerDraft)):
+    if isinstance(draft, (LMDraft, SharedLayerDraft, BlockDraft)):
         return None
-    return (f"draft '{draft.name}': only truncated/LM and eagle/eagle3 drafts are batched (mtp keeps per-layer "
-            "frontiers; dflash keeps per-row contexts and blocks)")
+    return (f"draft '{draft.name}': only truncated/LM, eagle/eagle3/peagle and dflash drafts are batched (mtp keeps "
+            "per-layer frontiers)")
 
 
-def batched_draft(draft):
-    return BatchedSharedLayerDraft(draft) if isinstance(draft, SharedLayerDraft) else BatchedLMDraft(draft)
+def batched_draft(draft, depth: int):
+    """The batched adapter of `draft` for chains `depth` deep."""
+    if isinstance(draft, SharedLayerDraft):
+        return BatchedSharedLayerDraft(draft, depth)
+    return BatchedBlockDraft(draft) if isinstance(draft, BlockDraft) else BatchedLMDraft(draft)
 
 
 # --------------------------------------------------------------------------------------------
@@ -292,13 +380,13 @@ class BatchedDecoder:
     """`generate(prompts, max_new_tokens, seeds)` -> one `DecodeResult` per prompt; chain shapes only."""
 
     def __init__(self, target, draft, shape: Shape, params: SamplingParams, eos_token_ids: list[int] | None = None):
-        reason = batch_unsupported(draft, shape)
+        reason = batch_unsupported(draft, shape, target)
         if reason:
             raise ValueError(reason)
         self.single = SpeculativeDecoder(target, draft, shape, params, eos_token_ids)  # the same checks
         check_attention(target)
         self.target, self.shape, self.params = target, shape, params
-        self.draft = batched_draft(draft)
+        self.draft = batched_draft(draft, shape.depth)
         self.eos = set(eos_token_ids if eos_token_ids is not None else stop_token_ids(target))
         self.device = target.device
         self.feature_layers = self.draft.feature_layers

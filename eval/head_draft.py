@@ -94,14 +94,30 @@ class HeadDraft:
 
 
 class SharedLayerDraft(HeadDraft):
-    """eagle / eagle3: one layer (KV layer 0) for every draft step (see the module docstring)."""
+    """eagle / eagle3 / peagle: one layer (KV layer 0) for every draft step (see the module docstring).
+
+    A parallel drafter (peagle: `head.parallel_drafting`) reads, at every node of depth
+    d >= 1, the mask slot's token and feature, and sees the committed slots and its ancestors,
+    which are mask slots too: every depth-d node has the same logits, known before any token is
+    drafted. So the slots for depths 1..D run in one forward (`_mask_slots`), D from `plan_depth`
+    (the decoder's tree depth - 1), as vLLM runs them; deeper nodes extend the run.
+    """
+
+    planned = 0  # mask slots to run in one forward (`plan_depth`); 0: as deep as the node asked for
+
+    def plan_depth(self, depth: int) -> None:
+        """The decoder drafts trees `depth` deep until told otherwise (their nodes to expand: depths 1..depth-1)."""
+        self.planned = depth - 1
 
     def start(self, prompt_ids: torch.Tensor, root: int, features: torch.Tensor) -> torch.Tensor:
         self._begin(prompt_ids, root, features)
         self.committed = 0
+        self.slot_logits: list[torch.Tensor] = []  # a parallel drafter's logits per depth, this round
         return self._extend(self.tokens[1:], self.features)
 
     def expand(self, parents: list[int], tokens: list[int]) -> torch.Tensor:
+        if self.head.parallel_drafting:
+            return self._mask_slots(parents)
         first = len(self.nodes)
         for offset, parent in enumerate(parents):
             up = self.nodes[parent] if parent >= 0 else None
@@ -109,9 +125,6 @@ class SharedLayerDraft(HeadDraft):
                                "depth": up["depth"] + 1 if up else 1})
         new = self.nodes[first:]
         feats = torch.stack([self.nodes[p]["hidden"] if p >= 0 else self.root_hidden for p in parents])
-        masked = self.head.mask_inputs(torch.tensor(tokens, device=self.device), feats)
-        if masked is not None:  # parallel drafting: every step reads the mask slot's token and feature
-            tokens, feats = masked[0].tolist(), masked[1]
         total = len(self.nodes)
         rows = torch.tensor([[(n["bits"] >> i) & 1 for i in range(total)] for n in new], dtype=torch.bool)
         visible = torch.cat([torch.ones(len(new), self.committed, dtype=torch.bool), rows], dim=1)
@@ -121,9 +134,29 @@ class SharedLayerDraft(HeadDraft):
             node["hidden"] = h
         return self._to_target(logits)
 
+    def _mask_slots(self, parents: list[int]) -> torch.Tensor:
+        """Parallel drafting: the logits of the depth-d mask slot for each of these depth-d nodes (see the class)."""
+        depth = self.nodes[parents[0]]["depth"] + 1 if parents[0] >= 0 else 1
+        if any((self.nodes[p]["depth"] + 1 if p >= 0 else 1) != depth for p in parents):
+            raise EyasError("a parallel drafter expands one depth at a time; the decoder mixed depths")
+        self.nodes += [{"depth": depth} for _ in parents]
+        done = len(self.slot_logits)
+        if depth > done:  # slots done+1..upto, each at position committed-1+d, causal over the ones above it
+            upto, cached = max(depth, self.planned), self.committed + done
+            n = upto - done  # the slots read the mask token and feature whatever token and hidden they are given
+            ids, feats = self.head.mask_inputs(torch.zeros(n, dtype=torch.long, device=self.device),
+                                               self.root_hidden.expand(n, -1))
+            visible = torch.cat([torch.ones(n, cached, dtype=torch.bool), torch.ones(n, n, dtype=torch.bool).tril()], 1)
+            positions = list(range(self.committed + done, self.committed + upto))
+            # step k only selects the layer of a per-step kind: one shared layer runs every slot
+            _, logits = self._step(1, ids.tolist(), feats, positions, visible[None, None].to(self.device))
+            self.slot_logits += list(self._to_target(logits))
+        return self.slot_logits[depth - 1][None].expand(len(parents), -1)
+
     def commit(self, kept: list[int], tokens: list[int], root: int, features: torch.Tensor) -> torch.Tensor:
         new_features = self._project(features)
         self.nodes = []
+        self.slot_logits = []
         self._crop(0, self.committed)
         self.tokens += tokens + [root]
         return self._extend(tokens + [root], new_features)

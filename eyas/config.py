@@ -90,7 +90,9 @@ class TargetConfig:
         "smollm2-135m-instruct",
     )
     dtype: str = _doc("Weights dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16.", "auto")
-    attn_implementation: str = _doc("Attention kernel: sdpa, eager or flash_attention_2.", "sdpa")
+    attn_implementation: str = _doc(
+        "Attention kernel: sdpa, eager or flash_attention_2; auto: transformers' own choice for the architecture "
+        "(sdpa where the model supports it, else eager: gpt-oss's attention sinks need eager).", "auto")
     device: str = _doc("auto (the launcher's GPU if any, else CPU), cpu, cuda, cuda:N.", "auto")
     chat_template: str = _doc(
         "Path to a Jinja chat template that replaces the tokenizer's own (empty: the tokenizer's).", ""
@@ -177,6 +179,13 @@ class DumpConfig:
     low_layer_encoding: str = _doc(
         "Encoding of the lowest fused layer (empty: same as encoding); int4 = 4-bit groups of 32 with a scale each.", ""
     )
+    backend: str = _doc(
+        "What runs the target: transformers (a forward per batch on this process's device) or vllm (vLLM's "
+        "extract_hidden_states, for targets an engine shards: MoE, tensor/expert parallel); the same shards "
+        "either way. vllm: teacher last_hidden, RMSNorm families.", "transformers")
+    vllm_tensor_parallel_size: int = _doc("dump.backend=vllm: GPUs the target is sharded over (tensor parallel).", 1)
+    vllm_expert_parallel: bool = _doc("dump.backend=vllm: shard an MoE target's experts over those GPUs "
+                                      "(vLLM's enable_expert_parallel).", False)
 
 
 @dataclass
@@ -279,7 +288,7 @@ class EvalConfig:
     top_k: int = _doc("Top-k sampling, applied to target and draft alike (0: off).", 0)
     baseline: bool = _doc("Also time the target alone for the speedup column.", True)
     batch_size: int = _doc(
-        "Prompts decoded at once (chain shapes with truncated, eagle or eagle3 drafts; others one at a time). 1: "
+        "Prompts decoded at once (chain shapes with truncated, eagle, eagle3, peagle or dflash drafts; others one at a time). 1: "
         "latency figures, one prompt at a time; more: throughput of a prompt set, speedup over the target alone "
         "batched the same way.", 1)
     checkpoint: str = _doc("Draft checkpoint (empty: the run's best checkpoint).", "")
@@ -291,7 +300,9 @@ class EvalConfig:
     output: str = _doc("Folder for report.json and acceptance.png (empty: `<run_dir>/eval`).", "")
     engine: str = _doc(
         "builtin (eyas's decoder) or vllm: also export each checkpoint and run it in vLLM on the same prompts "
-        "(chain shapes, T=0), both decoders' figures side by side.", "builtin"
+        "(chain shapes, T=0), both decoders' figures side by side; auto: vllm where it can run (vLLM installed, "
+        "T=0, a chain shape, drafts vLLM serves without a plugin), else builtin, with the reason in the report.",
+        "builtin"
     )
     target_dtype: str = _doc(
         "Precision the target runs in for eval: auto (target.dtype when set, else bf16 where the machine runs it "
@@ -330,12 +341,13 @@ class Recipe:
 CHOICES = {
     "target.dtype": ("auto", "float32", "bfloat16", "float16"),
     "data.regenerate_dtype": ("", "auto", "float32", "bfloat16", "float16"),
-    "target.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
+    "target.attn_implementation": ("auto", "sdpa", "eager", "flash_attention_2"),
     "data.format": ("auto", "sharegpt", "openai", "text"),
     "data.overflow": ("truncate", "drop"),
     "dump.encoding": ("bf16", "fp16", "fp8", "int8", "int4"),
     "dump.low_layer_encoding": ("", "bf16", "fp16", "fp8", "int8", "int4"),
     "dump.teacher": ("last_hidden", "topk"),
+    "dump.backend": ("transformers", "vllm"),
     "draft.kind": tuple(KIND_RULES),  # one line per kind in eyas/draft/kinds.py
     "draft.mtp_feed": ("chain", "target"),
     "train.source": ("shards", "online"),
@@ -344,7 +356,7 @@ CHOICES = {
     "train.draft_init": ("random", "target_last_layer"),
     "train.logger": ("none", "wandb", "tensorboard"),
     "export.to": ("sglang", "vllm"),
-    "eval.engine": ("builtin", "vllm"),
+    "eval.engine": ("builtin", "vllm", "auto"),
     "eval.target_dtype": ("auto", "fp32", "bf16"),
     "export.dtype": ("bfloat16", "float16", "float32"),
 }
@@ -353,7 +365,8 @@ LOSS_NAMES = ("forward_kl", "ce", "tv", "jsd", "lk")
 _POSITIVE = ["train.lr", "train.token_budget", "train.grad_accum", "train.ttt_steps", "train.teacher_chunk",
              "train.log_every", "draft.num_steps", "draft.num_layers", "data.max_length", "data.num_proc",
              "data.regenerate_max_new_tokens", "data.regenerate_batch_size", "dump.token_budget",
-             "dump.shard_tokens", "dump.topk", "eval.max_new_tokens", "eval.answer_tokens", "data.self_prompt_temperature", "train.epochs",
+             "dump.shard_tokens", "dump.vllm_tensor_parallel_size",
+             "dump.topk", "eval.max_new_tokens", "eval.answer_tokens", "data.self_prompt_temperature", "train.epochs",
              "train.keep_last", "train.eval_batches", "eval.batch_size"]
 _NON_NEGATIVE = ["train.ttt_ramp_steps", "train.loader_workers",
                  "train.prefetch", "train.max_steps", "data.max_turns", "train.warmup_steps", "train.weight_decay", "train.max_grad_norm",
@@ -400,13 +413,20 @@ def _encodes(text: str) -> bool:
     return True
 
 
+_EXPONENT_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
-    """Check `value` against a field's type; ints are accepted for floats, nothing else is coerced."""
+    """Check `value` against a field's type; ints are accepted for floats, and so is a number in
+    exponent form without a dot (`3e-4`): PyYAML reads it as text (YAML 1.1), YAML 1.2 and people as a
+    number. Nothing else is coerced."""
     bad = _not_text(value)
     if bad is not None:
         raise EyasError(f"recipe key '{key}' holds {bad!r}, with a NUL or a lone surrogate, which no path, file or "
                         "tokenizer takes; write it as plain UTF-8 text")
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation is float and isinstance(value, str) and _EXPONENT_NUMBER.fullmatch(value.strip()):
         return float(value)
     if annotation is list:
         if isinstance(value, tuple):
@@ -478,6 +498,7 @@ def validate(recipe: Recipe) -> Recipe:
                         f"mixture:LAM), got {recipe.eval.drafts!r}")
     _check_self_prompts(recipe.data)
     _check_variants(recipe)
+    _check_mask_vector(recipe)
     if not recipe.run.name or "/" in recipe.run.name or recipe.run.name in (".", ".."):
         raise EyasError(f"recipe key 'run.name' must be a non-empty name without '/' (not . or ..), got {recipe.run.name!r}")
     check_mtp_unroll(recipe)  # here, not at train: `eyas prepare` refuses a bad mtp recipe before any work
@@ -486,10 +507,6 @@ def validate(recipe: Recipe) -> Recipe:
 
 def _check_variants(recipe: Recipe) -> None:
     """A layer-variant switch (eyas.draft.kinds) is for its own kind, and for the export formats that serve it."""
-    own = kind_rules(recipe.draft.kind)
-    if not recipe.draft.train_mask_embedding and not own.mask_vector:
-        raise EyasError(f"recipe key 'draft.train_mask_embedding' is false, but a {own.title or recipe.draft.kind} "
-                        "draft has no mask vector to freeze (a dflash draft has); remove the key")
     for owner, rules in KIND_RULES.items():
         for variant in rules.variants:
             key = variant.recipe_key
@@ -503,6 +520,14 @@ def _check_variants(recipe: Recipe) -> None:
                 raise EyasError(f"recipe key 'draft.{key}' is true, but export.to is '{recipe.export.to}', whose "
                                 f"{rules.title} model has no such variant; set export.to={serves} ({ENGINES[serves]} "
                                 f"serves it) or draft.{key}=false")
+
+
+def _check_mask_vector(recipe: Recipe) -> None:
+    """Freezing the mask vector (draft.train_mask_embedding: false) is for a kind that has one."""
+    own = kind_rules(recipe.draft.kind)
+    if not recipe.draft.train_mask_embedding and not own.mask_vector:
+        raise EyasError(f"recipe key 'draft.train_mask_embedding' is false, but a {own.title or recipe.draft.kind} "
+                        "draft has no mask vector to freeze (a dflash draft has); remove the key")
 
 
 def _check_self_prompts(data: DataConfig) -> None:
@@ -662,8 +687,15 @@ def _absolute(value: Any, words: tuple[str, ...]) -> Any:
 
 
 def default_layers(num_hidden_layers: int) -> list[int]:
-    """EAGLE-3's fused layers as HF `hidden_states` indices: low, middle, high."""
-    return [2, num_hidden_layers // 2, num_hidden_layers - 3]
+    """EAGLE-3's fused layers as HF `hidden_states` indices: low, middle, high.
+
+    Three distinct indices that serving engines capture (1..L-1: the input of a decoder layer): SGLang
+    and vLLM take each layer once, so a repeated index would hand the draft fewer features than it was
+    trained on. Below 7 layers the usual [2, L/2, L-3] repeats one, and the three spread over 1..L-1."""
+    usual = [2, num_hidden_layers // 2, num_hidden_layers - 3]
+    if len(set(usual)) == 3 or num_hidden_layers < 4:
+        return usual
+    return [1, num_hidden_layers // 2, num_hidden_layers - 1]
 
 
 def check_against_target(recipe: Recipe, target_config: Any) -> None:

@@ -346,6 +346,7 @@ def _finish(report: dict, files: dict, progress: Progress, summary_path: Path, s
 
     print()
     print_report(report)
+    _print_vllm(report)
     times = ", ".join(f"{name} {t['seconds']:.0f} s" + (" (skipped)" if t["skipped"] else "")
                       for name, t in progress.timings.items())
     print(f"\nwall time per stage: {times}")
@@ -357,6 +358,21 @@ def _finish(report: dict, files: dict, progress: Progress, summary_path: Path, s
     print(f"draft checkpoint:  {files['checkpoint']}")
     print(f"stage timings:     {summary_path}")
     print(f"run recipe:        {files['recipe']} (give it to any stage, e.g. eyas eval {files['recipe']})")
+
+
+def _print_vllm(report: dict) -> None:
+    """vLLM's speedup for the same draft beside eyas's (eval.engine auto, where vLLM is installed), or why
+    it did not run."""
+    # each stage's code is imported when that stage runs (`eyas quickstart --help` stays quick)
+    from eyas.eval.engine_vllm import speedup_lines
+
+    settings = report["settings"]
+    if report.get("vllm"):
+        print("\nserved by vLLM (same draft, same prompts, T=0):")
+        for line in speedup_lines(report["vllm"]):
+            print(f"  {line}")
+    elif settings.get("engine_setting") == "auto":
+        print(f"\nvLLM: not run ({settings.get('engine_note')})")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -204,10 +204,9 @@ def load_target(target: Any, device: Any = None) -> tuple[Any, Any]:
     config = load_target_config(target.path, trust_remote_code=trust)
     device = device if device is not None else pick_device(target.device)
     dtype = resolve_dtype(target.dtype, device)
+    kernel = {} if target.attn_implementation == "auto" else {"attn_implementation": target.attn_implementation}
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, config=config, dtype=dtype, attn_implementation=target.attn_implementation, trust_remote_code=trust
-        )
+        model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=dtype, trust_remote_code=trust, **kernel)
     except ImportError as exc:  # flash_attention_2 without the package, for example
         raise EyasError(f"cannot load the target with attn_implementation='{target.attn_implementation}': {exc}") from None
     except ValueError as exc:

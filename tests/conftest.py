@@ -33,14 +33,35 @@ def tiny_qwen2_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen3-MoE-shaped target (4 experts, 2 per token, in all 6 layers; heads of 32)."""
+    return build_tiny_target(tmp_path_factory.mktemp("tiny_qwen3_moe"), "qwen3_moe")
+
+
+@pytest.fixture(scope="session")
 def parity_drafts(tmp_path_factory) -> dict:
     """The real-data eagle3 and eagle drafts the vLLM tests serve, trained once per session
-    (`tests/test_vllm_parity.py`); the mtp test trains on the same prepared data and shards.
+    (`tests/test_vllm_parity.py`); the other drafts served train on the same prepared data and shards.
     EYAS_PARITY_RUN_DIR keeps (and reuses) them between runs."""
     from test_vllm_parity import train_parity_drafts
 
     keep = os.environ.get("EYAS_PARITY_RUN_DIR")
     return train_parity_drafts(Path(keep) if keep else tmp_path_factory.mktemp("parity"))
+
+
+@pytest.fixture(scope="session")
+def served(parity_drafts, tmp_path_factory):
+    """dtype -> the vLLM parity measurement of every draft `tests/test_vllm_parity.py` serves at that dtype
+    (SERVED), made once per session: the mtp test reads the same fp32 measurement."""
+    from test_vllm_parity import measure_served
+
+    measured: dict[str, dict] = {}
+
+    def at(dtype: str) -> dict:
+        if dtype not in measured:
+            measured[dtype] = measure_served(parity_drafts, dtype, tmp_path_factory.mktemp(f"vllm-{dtype}"))
+        return measured[dtype]
+    return at
 
 
 @pytest.fixture(scope="session")

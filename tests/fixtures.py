@@ -1,4 +1,4 @@
-"""Tiny targets for tests: Llama- and Qwen2-shaped models with a real tokenizer.
+"""Tiny targets for tests: Llama-, Qwen2-, Qwen3-MoE-, gpt-oss- and Mistral-shaped models with a real tokenizer.
 
 Everything is built in code (no network) and saved/loaded through the real
 `save_pretrained` / `from_pretrained` path, so the stages see the same files a user's
@@ -59,8 +59,11 @@ def build_tokenizer(vocab_size: int = 384):
 
 
 def _tiny_config(family: str, vocab_size: int, **overrides):
-    """A tiny config of the target family; Qwen2 differs by attention biases and its norm eps."""
-    from transformers import LlamaConfig, Qwen2Config
+    """A tiny config of the target family: Llama; Qwen2 (attention biases, its norm eps); Qwen3-MoE (a sparse
+    MLP of 4 experts, 2 routed per token, in every layer, and heads of 32: vLLM's CPU attention takes no smaller);
+    gpt-oss (sliding-window layers of 8 tokens alternating with full ones, attention sinks, 4 experts, 2 per
+    token); Mistral (every layer sliding, 8 tokens)."""
+    from transformers import GptOssConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3MoeConfig
 
     base = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
@@ -68,8 +71,17 @@ def _tiny_config(family: str, vocab_size: int, **overrides):
         rms_norm_eps=1e-5 if family == "llama" else 1e-6, tie_word_embeddings=False,
         bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
+    if family == "qwen3_moe":
+        base.update(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+    if family == "gpt_oss":
+        base.update(head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"] * 3, rope_scaling=None)
+    if family == "mistral":
+        base.update(sliding_window=8)
     base.update(overrides)
-    return (LlamaConfig if family == "llama" else Qwen2Config)(**base)
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3_moe": Qwen3MoeConfig, "gpt_oss": GptOssConfig,
+               "mistral": MistralConfig}
+    return classes[family](**base)
 
 
 def build_tiny_target(out_dir: str | Path, family: str = "llama", seed: int = 0, **overrides) -> Path:

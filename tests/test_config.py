@@ -82,6 +82,16 @@ def test_errors_name_the_key(tmp_path, text, overrides, fragment):
     assert fragment in str(err.value)
 
 
+def test_a_number_in_exponent_form_is_a_float(tmp_path):
+    """PyYAML reads `3e-4` (no dot) as text; a float key takes it as the number it is, text stays refused."""
+    recipe = load_recipe(write(tmp_path, "train: {lr: 3e-4, weight_decay: 1E-2}\n"))
+    assert (recipe.train.lr, recipe.train.weight_decay) == (3e-4, 1e-2)
+    with pytest.raises(EyasError, match="'train.lr' must be float, got str '3e-4x'"):
+        load_recipe(write(tmp_path, "train: {lr: 3e-4x}\n"))
+    with pytest.raises(EyasError, match="'train.ttt_steps' must be int"):
+        load_recipe(write(tmp_path, "train: {ttt_steps: 3e0}\n"))
+
+
 def test_missing_and_non_yaml_files(tmp_path):
     with pytest.raises(EyasError, match="does not exist"):
         load_recipe(tmp_path / "nope.yaml")

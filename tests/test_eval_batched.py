@@ -97,10 +97,11 @@ def test_batched_sampling_rows_reproduce_their_own_seeded_decode(tiny_llama_dir)
         assert_rows_match_one_at_a_time(target, draft, "chain:3", params, eos, cases, 25)
 
 
-HEADS = [("eagle3", True), ("eagle", False)]
+# peagle: the mask slots of every depth in one forward; dflash: every row's block in one forward
+HEADS = [("eagle3", True), ("eagle", False), ("peagle", True), ("dflash", True)]
 
 
-@pytest.mark.parametrize("kind,reduced", HEADS, ids=["eagle3", "eagle"])
+@pytest.mark.parametrize("kind,reduced", HEADS, ids=[kind for kind, _ in HEADS])
 def test_batched_head_draft_logits_equal_one_at_a_time(tmp_path, tiny_qwen2_dir, kind, reduced):
     """Start, two chain nodes, then a ragged commit (0, 1 and 2 accepted tokens), then a node again."""
     target, tokenizer = load(tiny_qwen2_dir)
@@ -114,7 +115,7 @@ def test_batched_head_draft_logits_equal_one_at_a_time(tmp_path, tiny_qwen2_dir,
         prompts_, roots = [s[:n].tolist() for s, n in zip(sequences, lengths)], [int(s[n]) for s, n in zip(sequences, lengths)]
         width = max(lengths)
         padded = torch.stack([torch.cat([f[:1].expand(width - n, -1), f[:n]]) for f, n in zip(features, lengths)])
-        batch = batched_draft(draft)
+        batch = batched_draft(draft, 3)  # chains 3 deep: two nodes to expand
         got = [batch.start(prompts_, roots, padded)]
         nodes = [[int(s[n + 1]), int(s[n + 2])] for s, n in zip(sequences, lengths)]
         got += [batch.expand([row[0] for row in nodes]), batch.expand([row[1] for row in nodes])]
@@ -136,7 +137,7 @@ def test_batched_head_draft_logits_equal_one_at_a_time(tmp_path, tiny_qwen2_dir,
                 assert torch.allclose(a[b][finite], w[finite], atol=1e-5 * scale, rtol=1e-5), f"{kind} row {b} call {step}"
 
 
-@pytest.mark.parametrize("kind,reduced", HEADS, ids=["eagle3", "eagle"])
+@pytest.mark.parametrize("kind,reduced", HEADS, ids=[kind for kind, _ in HEADS])
 def test_batched_head_drafts_decode_exactly(tmp_path, tiny_qwen2_dir, kind, reduced):
     target, tokenizer = load(tiny_qwen2_dir)
     draft = load_head_draft(make_checkpoint(tmp_path / "ckpt", tiny_qwen2_dir, kind, "chain", reduced), target, tokenizer)

@@ -1,6 +1,6 @@
 """Greedy losslessness: the speculative decoder's output equals the target's own greedy decode.
 
-For tiny Llama and Qwen2 targets, chain / static tree / dynamic tree, three drafts (the full
+For tiny Llama, Qwen2 and Qwen3-MoE targets, chain / static tree / dynamic tree, three drafts (the full
 target copy, which accepts everything and so prunes every side branch; a 2-layer truncation;
 an unrelated random model that is almost always rejected), prompts of several lengths and
 generation lengths, compared token for token with HF `generate(do_sample=False)`.
@@ -40,9 +40,9 @@ def prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n, _ in LENGTHS]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_greedy_output_equals_target_greedy(family, tiny_llama_dir, tiny_qwen2_dir, other_model):
-    target = load(tiny_llama_dir if family == "llama" else tiny_qwen2_dir)
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3_moe"])
+def test_greedy_output_equals_target_greedy(family, tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_moe_dir, other_model):
+    target = load({"llama": tiny_llama_dir, "qwen2": tiny_qwen2_dir, "qwen3_moe": tiny_qwen3_moe_dir}[family])
     eos = stop_token_ids(target)
     cases = prompts(target.config.vocab_size)
     references = [target_generate(target, p, new, GREEDY, eos) for p, (_, new) in zip(cases, LENGTHS)]

@@ -17,7 +17,7 @@ from eyas.config import DraftConfig, default_layers
 from eyas.decode import SamplingParams, stop_token_ids
 from eyas.draft.blocks import TTTCache
 from eyas.draft.checkpoint import save_draft
-from eyas.draft.registry import build_head
+from eyas.draft.registry import build_head, head_class
 from eyas.errors import EyasError
 from eyas.eval.decoder import SpeculativeDecoder, target_generate
 from eyas.eval.head_draft import load_head_draft
@@ -44,7 +44,7 @@ def make_checkpoint(folder, target_dir, kind, mtp_feed="chain", reduced_vocab=Fa
         d2t = kept - torch.arange(len(kept))
     config = load_target_config(str(target_dir))
     head = build_head(DraftConfig(kind=kind, num_steps=4, mtp_feed=mtp_feed), config,
-                      default_layers(config.num_hidden_layers) if kind == "eagle3" else None, d2t,
+                      default_layers(config.num_hidden_layers) if head_class(kind).feature_spec.fused_layers else None, d2t,
                       target_identity(config, tokenizer))
     head.init_from_target(target)
     with torch.no_grad():  # sharpen the random head so logits depend on positions and masks

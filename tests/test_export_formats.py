@@ -302,3 +302,25 @@ def test_another_vllm_release_is_refused_with_the_fix(monkeypatch):
         check_vllm_version("0.33.0", "0.32.0")
     monkeypatch.setenv("EYAS_VLLM_ANY_VERSION", "1")
     check_vllm_version("0.33.0", "0.32.0")
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "vllm"])
+@pytest.mark.parametrize("layers, refusal", [([0, 3, 4], "index 0, which SGLang/vLLM cannot capture"),
+                                             ([2, 3, 3], "index 3 more than once")])
+def test_fused_layers_an_engine_cannot_hand_over_are_refused(tiny_target, tmp_path, fmt, layers, refusal):
+    """Engines capture the input of a decoder layer (HF indices 1..L-1), each layer once: an export of a head
+    fused from index 0 or from one layer twice would be served fewer or other features than it trained on."""
+    torch.manual_seed(0)
+    head = build_head(DraftConfig(kind="eagle3"), tiny_target.config, aux_layers=layers,
+                      d2t=_d2t(tiny_target.config.vocab_size, DRAFT_VOCAB))
+    with pytest.raises(EyasError, match=refusal):
+        export.export_draft(checkpoint_of(head, tmp_path / "ckpt"), fmt, tmp_path / "out")
+
+
+def test_default_layers_are_three_an_engine_captures_at_every_depth():
+    from eyas.config import default_layers
+
+    for depth in range(4, 129):
+        layers = default_layers(depth)
+        assert len(set(layers)) == 3 and all(1 <= i <= depth - 1 for i in layers), (depth, layers)
+    assert default_layers(32) == [2, 16, 29]  # the usual low / middle / high where the depth allows it

@@ -60,6 +60,35 @@ def test_adapter_replays_the_unroll_with_mask_inputs(tiny_llama_dir):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+def test_one_forward_drafts_every_depth(tiny_llama_dir):
+    """With the depth planned, the mask slots of depths 1..3 run in one forward and give the logits they give
+    one forward per depth; a decode makes two draft forwards per round (the commit, then the slots)."""
+    head, target, _ = _head(tiny_llama_dir)
+    draft = SharedLayerDraft(head.eval(), "peagle")
+    sequence = torch.randint(3, target.config.vocab_size, (17,), generator=torch.Generator().manual_seed(1))
+    calls = []
+    step = head.step
+    head.step = lambda *args, **kwargs: calls.append(args[1].shape) or step(*args, **kwargs)
+    with torch.inference_mode():
+        hidden = target(sequence[None], output_hidden_states=True).hidden_states
+        features = torch.cat([hidden[i][0] for i in draft.feature_layers], dim=-1)
+        by_depth = []
+        for depth, forwards in ((1, 3), (4, 1)):  # planned 1 deep: a forward per depth asked for; 4 deep: one
+            draft.plan_depth(depth)
+            draft.start(sequence[:16], int(sequence[16]), features[:16])
+            calls.clear()
+            # two nodes per depth (ids 2d-2, 2d-1), each the child of one node a depth above
+            parents = [[-1, -1], [0, 1], [2, 3]]
+            by_depth.append(torch.stack([draft.expand(parents[d - 1], [5, 9])[1] for d in range(1, 4)]))
+            assert len(calls) == forwards and calls[-1][1] == 3 // forwards, calls
+    torch.testing.assert_close(by_depth[1], by_depth[0], atol=1e-5, rtol=1e-5)
+    # a decode: one draft forward at the start, then per round the slots and (between rounds) the commit
+    calls.clear()
+    prompt = sequence[:9]
+    result = SpeculativeDecoder(target, draft, parse_shape("chain:4"), GREEDY, stop_token_ids(target)).generate(prompt, 20)
+    assert len(calls) == 2 * len(result.accepted), (len(calls), len(result.accepted))
+
+
 def test_greedy_with_peagle_equals_target_greedy_alone_and_batched(tmp_path, tiny_qwen2_dir):
     head, target, tokenizer = _head(tiny_qwen2_dir)
     draft = load_head_draft(save_draft(tmp_path / "ckpt", head, {"step": 0}), target, tokenizer,

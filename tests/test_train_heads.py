@@ -61,7 +61,7 @@ def test_qwen2_biases_and_full_vocab_without_d2t():
     attn = head.midlayer.self_attn
     assert attn.q_proj.bias is not None and attn.k_proj.bias is not None and attn.o_proj.bias is None
     assert head.d2t is None and head.lm_head.weight.shape[0] == 384
-    assert head.config.aux_layers == [2, 3, 3]  # default_layers(6)
+    assert head.config.aux_layers == [1, 3, 5]  # default_layers(6): distinct, inside 1..5
 
 
 def test_layer_matches_transformers_llama_layer_with_rope_scaling():

@@ -156,7 +156,7 @@ def head_config_from_export(config: dict) -> dict:
     """Rebuild an eyas head config from an exported config.json (standard fields only)."""
     eyas = config.get("eyas") or {}
     kind, fmt = exported_kind(config)
-    fields = {**{name: False for name in variant_fields()}, **head_class(kind).export.read_config(config, fmt)}
+    fields = {**{name: False for name in variant_fields()}, **format_spec(kind, fmt).read_config(config)}
     layer, num_layers = fields.pop("layer"), fields.pop("num_layers")
     num_steps = fields.pop("num_steps", num_layers)  # a layer per step, unless the kind's layout says otherwise
     rope = {"rope_type": "default", "rope_theta": float(layer["rope_theta"])}

@@ -184,15 +184,18 @@ def _vllm_config(cfg: HeadConfig, ctx: ExportContext) -> dict:
     }
 
 
-def _read_config(config: dict, fmt: str) -> dict:
+def _read_config(config: dict) -> dict:
     dflash = config.get("dflash_config") or {}
     return {"layer": config, "num_layers": int(config["num_hidden_layers"]),
             "num_steps": int(config.get("block_size", 2)) - 1,
             "draft_vocab_size": int(config.get("draft_vocab_size") or config["vocab_size"]),
             "aux_layers": [i + 1 for i in dflash.get("target_layer_ids", [])],
-            "mask_token_id": int(dflash["mask_token_id"]),
-            # SGLang's layout holds only a draft that kept the target's lm_head and mask row (`_check_sglang`)
-            **({"train_lm_head": False, "train_mask_embedding": False} if fmt == "sglang" else {})}
+            "mask_token_id": int(dflash["mask_token_id"])}
+
+
+def _read_sglang_config(config: dict) -> dict:
+    """SGLang's layout holds only a draft that kept the target's lm_head and mask row (`_check_sglang`)."""
+    return {**_read_config(config), "train_lm_head": False, "train_mask_embedding": False}
 
 
 def _check_steps(cfg: HeadConfig, steps: int) -> None:
@@ -247,15 +250,15 @@ def _target_mask_row(state: dict, cfg: HeadConfig) -> dict:
 
 EXPORT = KindExport(
     formats={"vllm": FormatSpec(VLLM_ARCHITECTURE, "dflash", _shapes, _vllm_config, prepare=_without_mask,
-                                side_files=_mask_file, read_side_files=_read_mask_file, check_steps=_check_steps),
+                                side_files=_mask_file, read_side_files=_read_mask_file, check_steps=_check_steps,
+                                read_config=_read_config),
              "sglang": FormatSpec(VLLM_ARCHITECTURE, "DFLASH", _sglang_shapes, _sglang_config, prepare=_without_mask,
                                   restore=_target_mask_row, check=_check_sglang, check_steps=_check_steps,
                                   from_target=frozenset({"lm_head.weight"}),
-                                  sglang_steps="--speculative-num-draft-tokens {tokens}")},
+                                  sglang_steps="--speculative-num-draft-tokens {tokens}", read_config=_read_sglang_config)},
     from_target=frozenset({"embed_tokens.weight"}),
     check=eagle3.EXPORT.check,  # the same fused layers, captured the same way
     default_steps=lambda cfg: cfg.num_steps,
-    read_config=_read_config,
 )
 
 # ----------------------------------------------------------------------------- the head

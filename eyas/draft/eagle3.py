@@ -111,8 +111,13 @@ def _from_vllm(exported: str) -> str:
 
 
 def _check_aux_layers(cfg: HeadConfig, where: str) -> None:
-    """Serving engines capture the residual stream entering a layer: HF indices 1..L-1 only."""
+    """Serving engines capture the residual stream entering a layer: HF indices 1..L-1 only, each once."""
     depth = cfg.target_hidden_layers
+    repeated = sorted({i for i in cfg.aux_layers if list(cfg.aux_layers).count(i) > 1})
+    if repeated:
+        raise EyasError(f"the draft reads HF hidden_states index {repeated[0]} more than once (layers "
+                        f"{list(cfg.aux_layers)}); SGLang and vLLM capture each layer once and would pass it "
+                        "fewer features than it was trained on; retrain with three distinct dump.layers")
     for i in cfg.aux_layers:
         if not 1 <= i <= depth - 1:
             raise EyasError(f"the draft reads HF hidden_states index {i}, which SGLang/vLLM cannot capture "
@@ -154,11 +159,14 @@ def _vllm_config(cfg: HeadConfig, ctx: ExportContext) -> dict:
     }
 
 
-def _read_config(config: dict, fmt: str) -> dict:
-    """The layer, fused layers (HF indices), draft vocabulary and variants of an exported config.json."""
-    if fmt == "sglang":  # SGLang's model has no variants
-        return {"layer": config, "num_layers": 1, "draft_vocab_size": int(config.get("draft_vocab_size") or config["vocab_size"]),
-                "aux_layers": [i + 1 for i in config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids", [])]}
+def _read_sglang_config(config: dict) -> dict:
+    """The layer, fused layers (HF indices) and draft vocabulary of SGLang's config.json (its model has no variants)."""
+    return {"layer": config, "num_layers": 1, "draft_vocab_size": int(config.get("draft_vocab_size") or config["vocab_size"]),
+            "aux_layers": [i + 1 for i in config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids", [])]}
+
+
+def _read_vllm_config(config: dict) -> dict:
+    """The layer, fused layers (HF indices), draft vocabulary and variants of vLLM's speculators config.json."""
     # read as vLLM reads them (transformers_utils/configs/speculators/algos.py): an absent
     # norm_before_residual is true there; the two variants eyas has no head for are refused
     for name in ("fc_norm", "norm_output"):
@@ -174,14 +182,13 @@ def _read_config(config: dict, fmt: str) -> dict:
 EXPORT = KindExport(
     formats={
         "sglang": FormatSpec(SGLANG_ARCHITECTURE, "EAGLE3", lambda cfg, bias: _shapes(cfg, bias, "sglang"),
-                             _sglang_config, biases=_biases),
+                             _sglang_config, biases=_biases, read_config=_read_sglang_config),
         "vllm": FormatSpec(VLLM_ARCHITECTURE, "eagle3", lambda cfg, bias: _shapes(cfg, bias, "vllm"), _vllm_config,
-                           biases=_biases, to_engine=_to_vllm, to_eyas=_from_vllm),
+                           biases=_biases, to_engine=_to_vllm, to_eyas=_from_vllm, read_config=_read_vllm_config),
     },
     # the engines share the target's embedding; the lm_head is the draft's own (reduced vocabulary)
     from_target=frozenset({"embed_tokens.weight"}),
     check=_check_aux_layers,
-    read_config=_read_config,
 )
 
 # ----------------------------------------------------------------------------- the head

@@ -67,6 +67,12 @@ def _nothing_read(saved: dict, cfg: HeadConfig) -> State:
     return {}
 
 
+def read_llama(config: dict) -> dict:
+    """The kind-specific HeadConfig fields of a plain Llama-layout config.json (one layer, full vocabulary)."""
+    return {"layer": config, "aux_layers": [], "num_layers": 1,
+            "draft_vocab_size": int(config.get("draft_vocab_size") or config["vocab_size"])}
+
+
 @dataclass(frozen=True)
 class FormatSpec:
     """How one engine's format holds one head kind."""
@@ -97,6 +103,9 @@ class FormatSpec:
     # extra fields of vLLM's --speculative-config (peagle: {"parallel_drafting": true})
     speculative_extra: dict = field(default_factory=dict)
     aliases: tuple[str, ...] = ()  # other architectures the config writer may name (per target family)
+    # exported config.json -> {"layer": the dict of Llama fields, "aux_layers", "num_layers", "draft_vocab_size",
+    # and any variant fields}: what the read-back head config takes from this format's layout
+    read_config: Callable[[dict], dict] = read_llama
 
 
 def _no_kind_check(cfg: HeadConfig, where: str) -> None:
@@ -105,12 +114,6 @@ def _no_kind_check(cfg: HeadConfig, where: str) -> None:
 
 def _default_steps(cfg: HeadConfig) -> int:
     return DEFAULT_STEPS
-
-
-def read_llama(config: dict, fmt: str) -> dict:
-    """The kind-specific HeadConfig fields of a plain Llama-layout config.json (one layer, full vocabulary)."""
-    return {"layer": config, "aux_layers": [], "num_layers": 1,
-            "draft_vocab_size": int(config.get("draft_vocab_size") or config["vocab_size"])}
 
 
 @dataclass(frozen=True)
@@ -124,9 +127,6 @@ class KindExport:
     check: Callable[[HeadConfig, str], None] = _no_kind_check
     # draft steps when neither the command line nor the checkpoint's ttt_steps says
     default_steps: Callable[[HeadConfig], int] = _default_steps
-    # (exported config.json, format) -> {"layer": the dict of Llama fields, "aux_layers", "num_layers",
-    # "draft_vocab_size", and any variant fields}: what the read-back head config takes from the kind's layout
-    read_config: Callable[[dict, str], dict] = read_llama
 
 
 # ----------------------------------------------------------------------------- Llama building blocks

@@ -124,6 +124,11 @@ class DraftHead(nn.Module):
         steps in parallel from mask slots (peagle); None: it reads what the previous step gave."""
         return None
 
+    @property
+    def parallel_drafting(self) -> bool:
+        """Whether steps k > 0 read `mask_inputs` (known before drafting: they can run in one forward)."""
+        return False
+
     def chains_hidden(self) -> bool:
         """Whether step k+1 reads step k's output hidden (else the target's feature again)."""
         return True

@@ -123,23 +123,22 @@ def _vllm_config(cfg: HeadConfig, ctx: ExportContext) -> dict:
     return config
 
 
-def _read_config(config: dict, fmt: str) -> dict:
+def _read_config(config: dict) -> dict:
     """A plain Llama layout with one layer per draft step."""
-    return dict(read_llama(config, fmt), num_layers=int(config.get("num_nextn_predict_layers", 1)))
+    return dict(read_llama(config), num_layers=int(config.get("num_nextn_predict_layers", 1)))
 
 
 EXPORT = KindExport(
     formats={
         "sglang": FormatSpec(SGLANG_ARCHITECTURE, "EAGLE", _shapes, _sglang_config, to_engine=_to_engine,
                              to_eyas=_to_eyas, serve_flags=" --enable-multi-layer-eagle",
-                             aliases=tuple(sorted(set(SGLANG_MTP_CLASSES.values())))),
+                             aliases=tuple(sorted(set(SGLANG_MTP_CLASSES.values()))), read_config=_read_config),
         "vllm": FormatSpec(VLLM_ARCHITECTURE, "mtp", _shapes, _vllm_config, to_engine=_to_engine, to_eyas=_to_eyas,
-                           check_steps=_check_vllm_steps),
+                           check_steps=_check_vllm_steps, read_config=_read_config),
     },
     from_target=frozenset({"embed_tokens.weight", "lm_head.weight"}),
     check=_check_full_vocab,
     default_steps=lambda cfg: cfg.num_layers,  # one draft step per layer
-    read_config=_read_config,
 )
 
 # ----------------------------------------------------------------------------- the head

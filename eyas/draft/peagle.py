@@ -6,8 +6,10 @@ reads, instead of the previous step's hidden and drafted token, one learned feat
 target's embedding of it, frozen). The attention is the training-time test's (step k at slot t sees
 the context up to t and its own slot's earlier steps), so training is the TTT unroll with the mask
 inputs (`mask_inputs`), and at inference the K steps' inputs are known before any is drafted: vLLM
-runs the bonus slot and the K-1 mask slots in one forward. eyas's eval drives it through the shared
-layer adapter, step by step, with the same inputs and masks, so the drafts are the same.
+runs the bonus slot and the K-1 mask slots in one forward. eyas's eval runs them the same way
+(the shared layer adapter, `eyas.eval.head_draft.SharedLayerDraft`: step 0 at commit, then the
+mask slots of every depth in one forward), with the same inputs and masks, so the drafts are the
+same.
 
 Export (`--to vllm` only), checked against vLLM 0.32's
 `transformers_utils/configs/speculators/{base,algos}.py` (the `peagle` speculators type: method
@@ -44,8 +46,8 @@ def _vllm_config(cfg: HeadConfig, ctx: ExportContext) -> dict:
     return config
 
 
-def _read_config(config: dict, fmt: str) -> dict:
-    return {**eagle3.EXPORT.read_config(config, fmt), "mask_token_id": int(config["mask_token_id"])}
+def _read_config(config: dict) -> dict:
+    return {**_EAGLE3_VLLM.read_config(config), "mask_token_id": int(config["mask_token_id"])}
 
 
 def _to_engine_rows(state: dict, cfg: HeadConfig) -> dict:
@@ -60,10 +62,9 @@ EXPORT = KindExport(
     formats={"vllm": FormatSpec(VLLM_ARCHITECTURE, "eagle3", _shapes, _vllm_config, biases=_EAGLE3_VLLM.biases,
                                 to_engine=_EAGLE3_VLLM.to_engine, to_eyas=_EAGLE3_VLLM.to_eyas,
                                 prepare=_to_engine_rows, restore=_from_engine_rows,
-                                speculative_extra={"parallel_drafting": True})},
+                                speculative_extra={"parallel_drafting": True}, read_config=_read_config)},
     from_target=eagle3.EXPORT.from_target,
     check=eagle3.EXPORT.check,
-    read_config=_read_config,
 )
 
 
@@ -79,6 +80,10 @@ class PEagleHead(eagle3.Eagle3Head):
     def _build(self, cfg: HeadConfig) -> None:
         super()._build(cfg)
         self.mask_hidden = nn.Parameter(torch.zeros(3 * cfg.hidden_size))
+
+    @property
+    def parallel_drafting(self) -> bool:
+        return True
 
     def mask_inputs(self, tokens: torch.Tensor, feature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.full_like(tokens, self.config.mask_token_id)
