@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from eyas.config import DraftConfig
 from eyas.draft.checkpoint import save_draft
-from eyas.draft.registry import build_head
+from eyas.draft.registry import build_head, head_from_config
 from eyas.errors import EyasError
 from eyas.train import export
 
@@ -230,8 +231,11 @@ def test_target_mismatch_and_unsupported_combinations(tiny_target, tmp_path, tin
     qwen = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32)
     torch.manual_seed(0)
     qhead = build_head(DraftConfig(kind="eagle3"), qwen.config, aux_layers=[2, 3, 4])
-    with pytest.raises(EyasError, match="q/k/v biases"):
-        export.export_draft(checkpoint_of(qhead, tmp_path / "q"), "sglang", tmp_path / "out")
+    export.export_draft(checkpoint_of(qhead, tmp_path / "q"), "sglang", tmp_path / "qwen2")  # bias-free: exports
+    # a draft saved with q/k/v biases (as eyas built EAGLE-3 heads for Qwen2 before) is refused, not cut
+    biased = head_from_config(dataclasses.replace(qhead.config, qkv_bias=True))
+    with pytest.raises(EyasError, match="q/k/v biases.*train this draft again"):
+        export.export_draft(checkpoint_of(biased, tmp_path / "b"), "sglang", tmp_path / "out")
 
 
 def test_cli_checkpoint_and_recipe_forms(tiny_target, tmp_path, tiny_llama_dir, capsys):

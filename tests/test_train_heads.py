@@ -57,9 +57,12 @@ def test_frozen_parts_per_kind():
 
 
 def test_qwen2_biases_and_full_vocab_without_d2t():
+    # an mtp layer is shaped as the target's (q/k/v biases); the EAGLE-3 layer is bias-free as the engines build it
+    mtp = build_head(draft_cfg("mtp"), tiny_target_config("qwen2")).layers[0].self_attn
+    assert mtp.q_proj.bias is not None and mtp.k_proj.bias is not None and mtp.o_proj.bias is None
     head = build_head(draft_cfg("eagle3"), tiny_target_config("qwen2"))
     attn = head.midlayer.self_attn
-    assert attn.q_proj.bias is not None and attn.k_proj.bias is not None and attn.o_proj.bias is None
+    assert attn.q_proj.bias is None and attn.k_proj.bias is None and attn.o_proj.bias is None
     assert head.d2t is None and head.lm_head.weight.shape[0] == 384
     assert head.config.aux_layers == [1, 3, 5]  # default_layers(6): distinct, inside 1..5
 

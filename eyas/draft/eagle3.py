@@ -4,7 +4,8 @@ Weight names (SGLang's LlamaForCausalLMEagle3): `embed_tokens.weight` (frozen, t
 `fc.weight` [H, 3H], `midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight`,
 `midlayer.self_attn.{q,k,v,o}_proj.weight` (q/k/v read 2H), `midlayer.mlp.{gate,up,down}_proj.weight`,
 `norm.weight`, `lm_head.weight` [V_draft, H], buffers `d2t` [V_draft] and `t2d` [V] (only with
-a reduced draft vocabulary). Attention biases exist when the target has them (Qwen2: q/k/v).
+a reduced draft vocabulary). No attention biases whatever the target (Qwen2's q/k/v, gpt-oss's q/k/v/o):
+the layer is a fresh one, built as both engines build it (`KindRules.attention_bias_from_target`).
 
 Normalisation variants (recipe keys `draft.eagle3_norm_before_fc` / `draft.eagle3_norm_before_residual`,
 HeadConfig `norm_before_fc` / `norm_before_residual`), as vLLM's EAGLE-3 draft model builds them
@@ -98,7 +99,8 @@ def _biases(cfg: HeadConfig, fmt: str) -> bool:
     """Both engines build the 2H-wide attention without biases."""
     if cfg.qkv_bias:
         raise EyasError(f"the draft has q/k/v biases (target family '{cfg.target_model_type}'), but {_ENGINE_MODELS[fmt]} "
-                        "builds its 2H-wide attention without biases; it would load the weights and drop the biases")
+                        "builds its 2H-wide attention without biases; it would load the weights and drop the biases. "
+                        "eyas builds EAGLE-3 drafts without biases since; train this draft again")
     return llama_biases(cfg, fmt)
 
 

@@ -84,6 +84,8 @@ class DraftHead(nn.Module):
         if not cls.supports_draft_vocab or not draft_vocab_size or draft_vocab_size >= vocab:
             draft_vocab_size = vocab
         shapes["intermediate_size"] = int(draft_cfg.intermediate_size or shapes["intermediate_size"])
+        if not kind_rules(cls.kind).attention_bias_from_target:
+            shapes.update(qkv_bias=False, o_bias=False)
         # the kind's layer variants, from their recipe switches (off when the section lacks them)
         variants = {v.field: bool(getattr(draft_cfg, v.recipe_key, False)) for v in kind_rules(cls.kind).variants}
         return HeadConfig(kind=cls.kind, num_layers=cls.layers_for(draft_cfg), num_steps=int(draft_cfg.num_steps),

@@ -39,19 +39,22 @@ class KindRules:
     trains_lm_head: bool = False
     # its mask slots carry a vector of their own (`mask_embedding`), trained unless `draft.train_mask_embedding: false`
     mask_vector: bool = False
+    # its layers carry the target's attention biases (a layer shaped as the target's, which mtp and dflash can
+    # start from); False: a fresh layer, bias-free as both engines build the EAGLE-3 layer whatever the target
+    attention_bias_from_target: bool = True
 
 
 KIND_RULES: dict[str, KindRules] = {
     "eagle": KindRules(title="EAGLE-1"),
     # vLLM's EAGLE-3 model builds both variants under speculators config flags of these names;
     # SGLang's LlamaForCausalLMEagle3 builds neither (eyas/draft/eagle3.py)
-    "eagle3": KindRules(title="EAGLE-3", trains_lm_head=True, variants=(
+    "eagle3": KindRules(title="EAGLE-3", trains_lm_head=True, attention_bias_from_target=False, variants=(
         Variant("norm_before_fc", "eagle3_norm_before_fc", ("vllm",)),
         Variant("norm_before_residual", "eagle3_norm_before_residual", ("vllm",)))),
     "mtp": KindRules(title="MTP", unroll_per_layer=True),
     # one forward drafts the block; the unroll's step k is the block's mask slot k+1, num_steps slots
     # EAGLE-3 drafting its steps from mask slots, all in one forward (eyas/draft/peagle.py)
-    "peagle": KindRules(title="P-EAGLE", trains_lm_head=True),
+    "peagle": KindRules(title="P-EAGLE", trains_lm_head=True, attention_bias_from_target=False),
     "dflash": KindRules(title="DFlash", unroll_per_layer=True, step_unit="mask slots", trains_lm_head=True,
                         mask_vector=True),
 }
