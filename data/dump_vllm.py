@@ -126,22 +126,15 @@ class VllmCapture:
 
     def __init__(self, folder: Path, config: Any, dtype: torch.dtype, aux_layers: list[int], need_last: bool,
                  dump_cfg: Any, max_model_len: int, storage: Path, seed: int = 0) -> None:
-        from vllm import LLM
-
         self.depth = int(config.num_hidden_layers)
         self.aux_layers, self.need_last = list(aux_layers), need_last
         wanted = set(aux_layers) | ({self.depth} if need_last else set())
         self.layer_ids = sorted(min(i, self.depth) for i in wanted)  # vLLM stores them in layer order
         self.norm = final_norm(config, folder, dtype) if self.depth in self.layer_ids else None
         self.storage = storage
-        shutil.rmtree(storage, ignore_errors=True)
-        storage.mkdir(parents=True)
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: its steps are ours to drive
-        if not torch.cuda.is_available():
-            # vLLM's CPU backend otherwise reserves 92% of host memory; a 1-token generation per sample needs
-            # cache for one batch (VLLM_CPU_KVCACHE_SPACE, GiB, as set by the user wins)
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(CPU_KV_CACHE_GIB))
-        self.llm = LLM(
+        self.llm: Any = None  # started by the first batch: a dump with every shard done (a requeued task, the
+        # finalize job) starts no engine
+        self.engine_args = dict(
             model=str(folder), dtype=str(dtype).replace("torch.", ""), seed=seed, max_model_len=max_model_len,
             tensor_parallel_size=int(dump_cfg.vllm_tensor_parallel_size),
             enable_expert_parallel=bool(dump_cfg.vllm_expert_parallel),
@@ -157,12 +150,27 @@ class VllmCapture:
                                                               "use_synchronization_lock": False}},
         )
 
+    def engine(self) -> Any:
+        """The vLLM engine, started on first use."""
+        if self.llm is None:
+            from vllm import LLM
+
+            shutil.rmtree(self.storage, ignore_errors=True)
+            self.storage.mkdir(parents=True)
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: its steps are ours to drive
+            if not torch.cuda.is_available():
+                # vLLM's CPU backend otherwise reserves 92% of host memory; a 1-token generation per sample needs
+                # cache for one batch (VLLM_CPU_KVCACHE_SPACE, GiB, as set by the user wins)
+                os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(CPU_KV_CACHE_GIB))
+            self.llm = LLM(**self.engine_args)
+        return self.llm
+
     def __call__(self, input_ids: torch.Tensor, lengths: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
         from safetensors.torch import load_file
         from vllm import SamplingParams
 
         rows = [input_ids[b, :int(n)].tolist() for b, n in enumerate(lengths)]
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in rows],
+        outputs = self.engine().generate([{"prompt_token_ids": ids} for ids in rows],
                                     SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
         paths = [Path(out.kv_transfer_params["hidden_states_path"]) for out in outputs]
         for _ in range(FLUSH_STEPS):

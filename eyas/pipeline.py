@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     from eyas.config import Recipe
 
-# The GPUs one SLURM job of a stage holds on GPU nodes: every GPU of each node, one, or none.
-Gpus = Literal["node", "one", "none"]
+# The GPUs one SLURM job of a stage holds on GPU nodes: every GPU of each node, one, none, or a count.
+Gpus = Literal["node", "one", "none"] | int
 
 
 def _reads_nothing(recipe: Recipe) -> tuple[str, ...]:
@@ -62,6 +62,11 @@ def _prepare_gpus(recipe: Recipe) -> Gpus:
     return "one" if recipe.data.regenerate and not recipe.data.regenerate_endpoint else "none"
 
 
+def _dump_gpus(recipe: Recipe) -> Gpus:
+    """A dump task runs the target on one GPU, or a vLLM engine over its tensor-parallel GPUs."""
+    return recipe.dump.vllm_tensor_parallel_size if recipe.dump.backend == "vllm" else "one"
+
+
 _TABLE = (
     Command("prepare", "eyas.data.prepare", "render chat data with the target's template and build loss masks",
             output=lambda r: r.run_dir / "prepared", sections=("target", "data", "run.seed"),
@@ -71,7 +76,7 @@ _TABLE = (
             output=lambda r: r.run_dir / "shards", sections=("target", "dump", "draft.kind"),
             upstream=lambda r: ("prepare",), done_files=("manifest.json", "heldout/manifest.json"),
             # an array of target tasks, then one task that writes the manifest and the draft vocabulary
-            slurm_jobs=("dump", "dump_finalize"), slurm_gpus=lambda r: "one"),
+            slurm_jobs=("dump", "dump_finalize"), slurm_gpus=_dump_gpus),
     Command("train", "eyas.train.loop", "train a draft head (eagle, eagle3, mtp) from shards or online",
             output=lambda r: r.run_dir / "checkpoints", sections=("target", "draft", "train"),
             upstream=lambda r: ("prepare",) if r.train.source == "online" else ("dump",),

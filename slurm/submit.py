@@ -6,7 +6,8 @@
 Stages and the jobs each submits (`--stage all` chains them with `--dependency=afterok:`):
 
 - `prepare`: one task; tokenises the conversations (`eyas prepare`).
-- `dump`: a job array of `--dump-tasks` tasks (default: nodes x GPUs per node), each the frozen
+- `dump`: a job array of `--dump-tasks` tasks (default: the nodes' GPUs over the GPUs a task holds:
+  one, or `dump.vllm_tensor_parallel_size` with `dump.backend: vllm`), each the frozen
   target over a disjoint part of the samples (RANK/WORLD_SIZE), then a one-task `dump-finalize`
   job that writes the manifest and the draft vocabulary. Needs `prepare` done first: submit
   `--stage prepare,dump` or `all`, or run `eyas prepare` beforehand.
@@ -38,7 +39,7 @@ from pathlib import Path
 from eyas.cli import stage_main, stage_parser
 from eyas.config import Recipe, save_resolved
 from eyas.errors import EyasError
-from eyas.pipeline import PIPELINE, STAGES
+from eyas.pipeline import PIPELINE, STAGES, Gpus
 
 PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
 
@@ -116,7 +117,7 @@ class Plan:
     cpus_per_task: int
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Plan:
+    def from_args(cls, args: argparse.Namespace, recipe: Recipe) -> Plan:
         for name in ("nodes",):
             if getattr(args, name) < 1:
                 raise EyasError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -128,7 +129,11 @@ class Plan:
         if gpus and procs != gpus:
             raise EyasError(f"--procs-per-node {procs} differs from --gpus-per-node {gpus}; "
                             "a GPU node runs one training process per GPU")
-        dump_tasks = args.dump_tasks or args.nodes * max(gpus, 1)
+        per_task = gpu_count(STAGES["dump"].slurm_gpus(recipe), gpus) if gpus else 1
+        if per_task > max(gpus, 1):
+            raise EyasError(f"a dump task holds {per_task} GPUs (dump.vllm_tensor_parallel_size) but a node has "
+                            f"--gpus-per-node {gpus}; lower dump.vllm_tensor_parallel_size to at most {gpus}")
+        dump_tasks = args.dump_tasks or args.nodes * max(gpus, 1) // per_task
         return cls(args.nodes, gpus, procs, dump_tasks, args.cpus_per_task)
 
     def cpus_for(self, stage: str, recipe: Recipe) -> int:
@@ -140,7 +145,13 @@ class Plan:
         gpus = STAGES[stage].slurm_gpus(recipe)
         if gpus == "node":
             return 8 * self.gpus_per_node if self.gpus_per_node else self.procs_per_node
-        return 8 if gpus == "one" and self.gpus_per_node else 1
+        return 8 * gpu_count(gpus, self.gpus_per_node) if self.gpus_per_node else 1
+
+
+def gpu_count(gpus: Gpus, per_node: int) -> int:
+    """How many GPUs a job of a stage holds, on nodes of `per_node` GPUs."""
+    named = {"node": per_node, "one": 1, "none": 0}
+    return named[gpus] if isinstance(gpus, str) else int(gpus)
 
 
 def _sbatch_lines(args: argparse.Namespace, gpus: str) -> str:
@@ -220,7 +231,8 @@ def gpu_request(stage: str, plan: Plan, recipe: Recipe) -> str:
     gpus = STAGES[stage].slurm_gpus(recipe)
     if gpus == "node":
         return f"--gpus-per-node={plan.gpus_per_node}"
-    return "--gpus=1" if gpus == "one" else ""
+    count = gpu_count(gpus, plan.gpus_per_node)
+    return f"--gpus={count}" if count else ""
 
 
 def template_names(stage: str) -> list[str]:
@@ -252,7 +264,7 @@ def sbatch(script: Path, dependency: str | None) -> str:
 
 def submit(recipe: Recipe, args: argparse.Namespace) -> dict:
     """Render (and unless --dry-run, submit) every job of the requested stages; returns {job: id}."""
-    plan = Plan.from_args(args)
+    plan = Plan.from_args(args, recipe)
     stages = parse_stages(args.stage, recipe)
     recipe = _absolute(recipe)
     slurm_dir = recipe.run_dir / "slurm"

@@ -98,7 +98,7 @@ def test_without_vllm_the_dump_says_how_to_install_it(workspace, monkeypatch):
 
 
 @pytest.mark.slow
-def test_the_vllm_dump_stores_the_transformers_features(workspace):
+def test_the_vllm_dump_stores_the_transformers_features(workspace, monkeypatch):
     """Same plan, same layout, same tokens; every feature value within one fp16 step plus 2e-6 of the
     transformers dump's. Before encoding the two engines' fp32 values agree within 1.3e-7 (layers) and
     1.2e-6 (the normed last); a rounding to fp16 can move by one step, and near 0, where fp16 steps are
@@ -108,7 +108,8 @@ def test_the_vllm_dump_stores_the_transformers_features(workspace):
 
     root, target, hf_recipe = workspace
     _same_prepared(root, "vllm")
-    manifest = dump(_recipe(root, target, "vllm", "dump.encoding=fp16", "dump.backend=vllm"))
+    recipe = _recipe(root, target, "vllm", "dump.encoding=fp16", "dump.backend=vllm")
+    manifest = dump(recipe)
     reference = json.loads((hf_recipe.run_dir / "shards" / "manifest.json").read_text())
     assert manifest["backend"] == "vllm" and manifest["vllm_version"] and reference["backend"] == "transformers"
     for key in ("num_samples", "num_tokens", "num_loss_tokens", "bytes", "features", "layers", "target_identity"):
@@ -126,6 +127,15 @@ def test_the_vllm_dump_stores_the_transformers_features(workspace):
                     assert bool(((a[name] - b[name]).abs() <= step + 2e-6).all()), (split, i, name)
                 else:
                     assert torch.equal(a[name], b[name]), (split, i, name)
+    # A rerun with every shard done (a requeued array task, the finalize job) checks the shards and
+    # writes the same manifest without starting an engine (which would hold its GPUs for nothing).
+    from eyas.data.dump_vllm import VllmCapture
+
+    def no_start(self):
+        raise AssertionError("a dump with every shard done started a vLLM engine")
+
+    monkeypatch.setattr(VllmCapture, "engine", no_start)
+    assert dump(recipe)["shards"] == manifest["shards"]
 
 
 def _fp16_step(x: torch.Tensor) -> torch.Tensor:

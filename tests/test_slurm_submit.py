@@ -241,6 +241,18 @@ def test_gpu_resources_per_stage(recipe_file, tmp_path, stubs, capsys):
     assert python["env"]["OMP_NUM_THREADS"] == "8"  # 64 CPUs over 8 processes
 
 
+def test_a_vllm_dump_task_holds_its_tensor_parallel_gpus(recipe_file, tmp_path, capsys):
+    rc, _ = _dry(recipe_file, "--stage", "dump", "--nodes", "2", "--gpus-per-node", "8", "dump.backend=vllm",
+                 "dump.vllm_tensor_parallel_size=4", capsys=capsys)
+    assert rc == 0
+    dump = _directives((_slurm_dir(tmp_path) / "dump.sbatch").read_text())
+    # 16 GPUs, 4 per engine: 4 tasks, each with its 4 GPUs and 8 CPUs per GPU
+    assert (dump["--array"], dump["--gpus"], dump["--cpus-per-task"]) == ("0-3", "4", "32")
+    rc, out = _dry(recipe_file, "--stage", "dump", "--gpus-per-node", "2", "dump.backend=vllm",
+                   "dump.vllm_tensor_parallel_size=4", capsys=capsys)
+    assert rc == 2 and "dump.vllm_tensor_parallel_size" in out and "--gpus-per-node 2" in out
+
+
 def test_resolved_recipe_keeps_overrides_with_absolute_run_dir(recipe_file, tmp_path, capsys):
     rc, _ = _dry(recipe_file, "--stage", "eval", "train.lr=3e-4", "eval.max_prompts=7", capsys=capsys)
     assert rc == 0
