@@ -82,6 +82,8 @@ DUMP_BATCHES_IN_FLIGHT = 2
 # A batch's prepared rows as Python lists (input_ids and loss_mask): a list slot of 8 bytes each,
 # plus a 28-byte int object for ids past the 256 small ints Python caches.
 ROW_BYTES_PER_TOKEN = 2 * 8 + 28
+# vLLM's default share of each GPU it takes (the dump through vLLM does not change it).
+VLLM_GPU_MEMORY_UTILIZATION = 0.9
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -123,6 +125,7 @@ class Shapes:
     intermediate: int
     vocab: int
     params: int
+    mlp_width: int = 0  # the MLP width one token runs through in the target (a MoE's routed experts together)
 
 
 @dataclass(frozen=True)
@@ -191,8 +194,23 @@ def shapes_of(config: Any) -> Shapes:
     s = target_shapes(config)
     shapes = Shapes(hidden=s["hidden_size"], layers=int(text_config(config).num_hidden_layers),
                     heads=s["num_attention_heads"], kv_heads=s["num_key_value_heads"], head_dim=s["head_dim"],
-                    intermediate=s["intermediate_size"], vocab=s["vocab_size"], params=0)
+                    intermediate=s["intermediate_size"], vocab=s["vocab_size"], params=0,
+                    mlp_width=mlp_width(text_config(config)))
     return dataclasses.replace(shapes, params=_target_params(config, shapes, s["tie_word_embeddings"]))
+
+
+def mlp_width(text: Any) -> int:
+    """The intermediate width one token runs through in a target layer: intermediate_size for a dense MLP;
+    for a mixture of experts, its routed experts' widths together plus any shared expert (Qwen3-MoE:
+    8 x 768, gpt-oss: 4 x 2880, DeepSeek: 8 x 2048 + one shared of 2048)."""
+    routed = int(getattr(text, "num_experts_per_tok", 0) or 0)
+    experts = max(int(getattr(text, name, 0) or 0) for name in ("num_experts", "num_local_experts", "n_routed_experts"))
+    if not (routed and experts):
+        return int(text.intermediate_size)
+    expert = int(getattr(text, "moe_intermediate_size", 0) or text.intermediate_size)
+    shared = int(getattr(text, "shared_expert_intermediate_size", 0) or 0) \
+        or int(getattr(text, "n_shared_experts", 0) or 0) * expert
+    return routed * expert + shared
 
 
 def _target_params(config: Any, s: Shapes, tied: bool) -> int:
@@ -286,11 +304,13 @@ def forward_bytes(s: Shapes, tokens: int, dtype_bytes: int) -> float:
     """Largest working set of one target decoder layer in inference, for `tokens` tokens.
 
     MLP: the residual and its normalised copy (2H), then act(gate), up and their product alive at once
-    (3I); attention: residual, normalised, q, its RoPE copy and the output (2H + 3·Hq) plus k, v and k's
-    RoPE copy (3·Hkv). The larger of the two, times tokens x dtype bytes.
+    (3I, I the width a token runs through: `mlp_width`); attention: residual, normalised, q, its RoPE copy
+    and the output (2H + 3·Hq) plus k, v and k's RoPE copy (3·Hkv). The larger of the two, times tokens x
+    dtype bytes.
     """
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    return tokens * dtype_bytes * max(2 * s.hidden + 3 * s.intermediate, 2 * s.hidden + 3 * q + 3 * kv)
+    width = s.mlp_width or s.intermediate
+    return tokens * dtype_bytes * max(2 * s.hidden + 3 * width, 2 * s.hidden + 3 * q + 3 * kv)
 
 
 def shard_bytes(recipe: Recipe, config: Any) -> dict[str, int]:
@@ -329,6 +349,8 @@ def dump_need(recipe: Recipe, config: Any, s: Shapes, hw: Hardware) -> Need:
       running: DUMP_BATCHES_IN_FLIGHT encoded batches (N x `shard_bytes`) + the batch's prepared rows as
                Python lists (N x ROW_BYTES_PER_TOKEN); the shard itself streams to disk (`ShardWriter`)
     """
+    if recipe.dump.backend == "vllm":
+        return vllm_dump_need(recipe, config, s, hw)
     b = target_bytes(recipe, hw)
     n = max(recipe.dump.token_budget, recipe.data.max_length)
     spec = feature_spec(recipe, config)
@@ -343,6 +365,35 @@ def dump_need(recipe: Recipe, config: Any, s: Shapes, hw: Hardware) -> Need:
     if hw.device == "cuda":
         device["cuda runtime"] = CUDA_RUNTIME
     return Need("dump", device, host, "dump.token_budget", [f"batches of {n} tokens, weights {8 * b}-bit"])
+
+
+def vllm_dump_need(recipe: Recipe, config: Any, s: Shapes, hw: Hardware) -> Need:
+    """Dump through a vLLM engine (`dump.backend: vllm`) over G = dump.vllm_tensor_parallel_size GPUs, per GPU:
+
+    device = weights/G (tensor parallel shards every matrix; expert parallel spreads the experts instead:
+             the same share) + the batch of N = max(dump.token_budget, data.max_length) tokens: `forward_bytes`/G
+             (heads and MLP columns sharded) + its KV cache 2·L·Hkv·b·N/G + the extracted layers (N·H·b each,
+             whole on every GPU) + vLLM's headroom (1 - gpu_memory_utilization of its 0.9 default: vLLM takes
+             90% of each GPU and fills what the rest leaves with KV cache, so a need under the GPU's memory
+             leaves it room)
+    host = the encoded batches in flight, as the transformers dump (vLLM loads its shards straight to the GPUs)
+    """
+    b = target_bytes(recipe, hw)
+    n = max(recipe.dump.token_budget, recipe.data.max_length)
+    gpus = recipe.dump.vllm_tensor_parallel_size
+    spec = feature_spec(recipe, config)
+    kv = s.kv_heads * s.head_dim
+    layers = set(spec["aux_layers"]) | ({s.layers} if spec["last_hidden"] else set())
+    device = {"weights": s.params * b / gpus, "activations": forward_bytes(s, n, b) / gpus,
+              "kv cache": 2 * s.layers * kv * b * n / gpus, "extracted layers": len(layers) * n * s.hidden * b}
+    if hw.memory:
+        device["vLLM headroom"] = (1 - VLLM_GPU_MEMORY_UTILIZATION) * hw.memory
+    if hw.device == "cuda":
+        device["cuda runtime"] = CUDA_RUNTIME
+    host = {"running": n * (DUMP_BATCHES_IN_FLIGHT * sum(shard_bytes(recipe, config).values()) + ROW_BYTES_PER_TOKEN)}
+    how = "expert" if recipe.dump.vllm_expert_parallel else "tensor"
+    return Need("dump", device, host, "dump.token_budget",
+                [f"vLLM over {gpus} GPU(s) per dump task ({how} parallel), batches of {n} tokens, weights {8 * b}-bit"])
 
 
 def ttt_step_bytes(s: Shapes, d: DraftSize, p: Precision) -> float:
@@ -630,6 +681,14 @@ def fit_advice(stage: str, recipe: Recipe, config: Any, hw: Hardware, sharding: 
                 accum = f", with train.grad_accum={recipe.train.grad_accum * budget // value} for the same tokens per " \
                         "step" if stage == "train" and budget % value == 0 else ""
                 fits.append(f"{stage}.token_budget={value} fits ({smaller / GIB:.1f} GiB{accum})")
+                break
+    if stage == "dump" and recipe.dump.backend != "vllm" and hw.gpus > 1:
+        for gpus in (g for g in (2, 4, 8) if g <= hw.gpus):
+            engine = with_setting(with_setting(recipe, "dump.backend", "vllm"), "dump.vllm_tensor_parallel_size", gpus)
+            sharded = total(engine)
+            if sharded <= limit:
+                fits.append(f"dump.backend=vllm dump.vllm_tensor_parallel_size={gpus} fits ({sharded / GIB:.1f} GiB per "
+                            "GPU: a vLLM engine over that many GPUs per dump task)")
                 break
     if stage == "train" and not recipe.train.checkpoint_unroll:
         recomputed = total(with_setting(recipe, "train.checkpoint_unroll", True))

@@ -268,3 +268,74 @@ def test_the_unroll_formula_is_what_autograd_keeps(kind, regime, bound):
     """Three unrolled steps through the fused attention: the formula counts the kept tensors' bytes."""
     measured, predicted = _kept_by_autograd(kind, regime, steps=3)
     assert abs(measured / predicted - 1) <= bound, (measured, predicted)
+
+
+# ----------------------------------------------------------------------------- mixture-of-experts targets
+
+# The fields of the published config.json files that the plan reads (Qwen/Qwen3-30B-A3B, openai/gpt-oss-20b;
+# Qwen3-235B-A22B is the 30B's layout, wider and deeper).
+QWEN3_30B_A3B = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048,
+                 "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+                 "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+                 "num_experts_per_tok": 8, "vocab_size": 151936, "max_position_embeddings": 40960,
+                 "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+QWEN3_235B_A22B = {**QWEN3_30B_A3B, "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+                   "num_hidden_layers": 94, "num_attention_heads": 64}
+GPT_OSS_20B = {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "hidden_size": 2880,
+               "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
+               "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4, "vocab_size": 201088,
+               "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 12,
+               "rope_theta": 150000, "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                                      "beta_slow": 1.0, "original_max_position_embeddings": 4096},
+               "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "attention_bias": True,
+               "tie_word_embeddings": False}
+
+
+def _config_file(tmp_path: Path, name: str, config: dict) -> Path:
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("config, billions, width", [(QWEN3_30B_A3B, 30.5, 8 * 768), (GPT_OSS_20B, 20.9, 4 * 2880)],
+                         ids=["qwen3-30b-a3b", "gpt-oss-20b"])
+def test_an_moe_target_counts_every_expert_and_runs_its_routed_width(tmp_path, config, billions, width):
+    """Memory holds every expert (the published totals), a token's activations only its routed experts'."""
+    recipe = load_recipe(str(REPO / "recipes" / "qwen3-30b-a3b-eagle3.yaml"))
+    shapes = plan.shapes_of(plan.read_config(recipe, str(_config_file(tmp_path, "moe", config))))
+    assert round(shapes.params / 1e9, 1) == billions and shapes.mlp_width == width
+
+
+@pytest.mark.parametrize("name, config, parts", [
+    ("qwen3-30b-a3b-eagle3", QWEN3_30B_A3B, {"dump": "40.1", "train": "21.4", "eval": "60.0"}),
+    ("gpt-oss-20b-eagle3", GPT_OSS_20B, {"dump": "42.9", "train": "24.4", "eval": "42.7"})])
+def test_the_moe_recipes_plan_as_their_headers_say(tmp_path, capsys, monkeypatch, name, config, parts):
+    recipe = REPO / "recipes" / f"{name}.yaml"
+    monkeypatch.chdir(tmp_path)
+    code, out, err = _run(capsys, recipe, "--gpu", "h100-80gb", "--gpus", "8", "--target-config",
+                          _config_file(tmp_path, name, config))
+    assert code == 0 and "does not fit" not in out, err + out
+    rows = {line.split()[0]: line.split()[1] for line in out.splitlines() if line.split()[:1] in (["dump"], ["train"], ["eval"])}
+    assert rows == parts
+    header = recipe.read_text().replace("\n# ", " ")
+    assert all(f"{stage} {gib} GiB" in header for stage, gib in parts.items()), "the recipe's header quotes the plan"
+
+
+def test_a_target_too_big_for_one_gpu_is_told_the_vllm_dump_that_fits(tmp_path, capsys):
+    """Qwen3-235B-A22B in bf16 (438 GiB) on 8 x H200: the transformers dump cannot hold it, a vLLM engine over 4
+    GPUs can (a quarter of the weights each, under vLLM's 90% of the GPU)."""
+    path = _config_file(tmp_path, "qwen3-235b", QWEN3_235B_A22B)
+    recipe_path = REPO / "recipes" / "qwen3-30b-a3b-eagle3.yaml"
+    code, out, err = _run(capsys, recipe_path, "dump.backend=transformers", "--gpu", "h200-141gb", "--gpus", "8",
+                          "--target-config", path)
+    assert code == 0, err
+    dump_line = next(line for line in out.split("does not fit:\n", 1)[1].splitlines() if "dump.token_budget" in line)
+    assert "dump.backend=vllm dump.vllm_tensor_parallel_size=4 fits" in dump_line
+    recipe = load_recipe(str(recipe_path), ["dump.vllm_tensor_parallel_size=4"])
+    config = plan.read_config(recipe, str(path))
+    hw = plan.hardware("h200-141gb", 8, None)
+    s = plan.shapes_of(config)
+    need = plan.dump_need(recipe, config, s, hw)
+    assert need.device["weights"] == s.params * 2 / 4
+    assert need.device["vLLM headroom"] == pytest.approx(0.1 * hw.memory)
+    assert need.device_total <= hw.memory and need.host == {"running": need.host["running"]}
