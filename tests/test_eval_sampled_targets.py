@@ -25,10 +25,10 @@ from eyas.eval.verify import sample
 
 torch.set_num_threads(1)
 VOCAB = 16
-SAMPLES = 1500
+SAMPLES = 1000
 CONTEXT = [3, 7, 1, 12, 5, 9, 14, 4, 11, 6, 13, 8]  # 12 tokens: past the 8-token window
 PARAMS = SamplingParams(temperature=1.0)
-TV_FACTOR = 1.6  # of the expected TV of SAMPLES direct draws (measured decoders: 0.9-1.2 of it)
+TV_FACTOR = 1.6  # of the expected TV of SAMPLES direct draws (measured: 0.92 and 1.07 honest, 5.4 biased)
 
 
 def _target(family: str):
