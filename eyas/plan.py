@@ -361,10 +361,16 @@ def dump_need(recipe: Recipe, config: Any, s: Shapes, hw: Hardware) -> Need:
               "activations": max(captured + forward_bytes(s, n, b), captured + 2 * n * s.hidden * b + encode_buffers)
               + teacher}
     host = {"loading": s.params * b} if hw.device == "cuda" else {}
-    host["running"] = n * (DUMP_BATCHES_IN_FLIGHT * sum(shard_bytes(recipe, config).values()) + ROW_BYTES_PER_TOKEN)
+    host["running"] = dump_batches_in_flight_bytes(recipe, config, n)
     if hw.device == "cuda":
         device["cuda runtime"] = CUDA_RUNTIME
     return Need("dump", device, host, "dump.token_budget", [f"batches of {n} tokens, weights {8 * b}-bit"])
+
+
+def dump_batches_in_flight_bytes(recipe: Recipe, config: Any, n: int) -> float:
+    """Host bytes of a dump running batches of n tokens, whatever its backend: DUMP_BATCHES_IN_FLIGHT encoded
+    batches (n x `shard_bytes`) + the batch's prepared rows as Python lists (n x ROW_BYTES_PER_TOKEN)."""
+    return n * (DUMP_BATCHES_IN_FLIGHT * sum(shard_bytes(recipe, config).values()) + ROW_BYTES_PER_TOKEN)
 
 
 def vllm_dump_need(recipe: Recipe, config: Any, s: Shapes, hw: Hardware) -> Need:
@@ -390,7 +396,7 @@ def vllm_dump_need(recipe: Recipe, config: Any, s: Shapes, hw: Hardware) -> Need
         device["vLLM headroom"] = (1 - VLLM_GPU_MEMORY_UTILIZATION) * hw.memory
     if hw.device == "cuda":
         device["cuda runtime"] = CUDA_RUNTIME
-    host = {"running": n * (DUMP_BATCHES_IN_FLIGHT * sum(shard_bytes(recipe, config).values()) + ROW_BYTES_PER_TOKEN)}
+    host = {"running": dump_batches_in_flight_bytes(recipe, config, n)}
     how = "expert" if recipe.dump.vllm_expert_parallel else "tensor"
     return Need("dump", device, host, "dump.token_budget",
                 [f"vLLM over {gpus} GPU(s) per dump task ({how} parallel), batches of {n} tokens, weights {8 * b}-bit"])
