@@ -11,7 +11,10 @@ last column and only its logits are computed); later tokens are appended at colu
 for all rows, then each row keeps its own count of them (`settle`: moved next to its own
 entries, the rest dropped), so the cache grows by what each row accepted, not by the padding.
 Every forward gets an additive 4D mask [B, 1, n, S + n] that hides each row's padding and
-stale columns; finished rows (EOS or max tokens) leave the batch (`select`).
+stale columns; finished rows (EOS or max tokens) leave the batch (`select`). A target (or a
+truncated-target draft) with sliding-window layers gets their masks too, which also hide keys
+`sliding_window` or more positions behind the query, in each row's own positions
+(`eyas.eval.kv.layer_masks`); the cache keeps every layer's full history, as one at a time.
 
 Per round and row the steps are those of `SpeculativeDecoder` (chain shapes): draw the chain
 from the draft with the row's own generator, verify with `verify_greedy` / `verify_sampled`,
@@ -37,8 +40,8 @@ from eyas.decode import SamplingParams, cache_kwarg, new_cache, process_logits, 
 from eyas.errors import EyasError
 from eyas.eval.decoder import DecodeResult, SpeculativeDecoder, _Clock, _count, _cut
 from eyas.eval.drafts import LMDraft, MixtureDraft
-from eyas.eval.head_draft import BlockDraft, SharedLayerDraft
-from eyas.eval.kv import SLIDING, attention_kinds, check_attention, row_invariant_attention
+from eyas.eval.head_draft import BlockDraft, SharedLayerDraft, mask_slot_inputs
+from eyas.eval.kv import check_attention, layer_masks, row_invariant_attention
 from eyas.eval.tree import Shape, Tree, new_tree
 from eyas.eval.verify import draw_candidates, verify_greedy, verify_sampled
 
@@ -59,13 +62,14 @@ class RaggedCache:
         """Physical columns (every row's entries end at or before it)."""
         return int((self.start + self.lengths).max()) if len(self.lengths) else 0
 
-    def prefill_mask(self, counts: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
-        """Additive [B, 1, W, W] for left-padded rows of `counts` tokens in an empty cache: causal, padding hidden."""
+    def prefill_mask(self, counts: torch.Tensor, dtype: torch.dtype, device, config=None):
+        """Additive [B, 1, W, W] for left-padded rows of `counts` tokens in an empty cache: causal, padding hidden
+        (`config`: a model with sliding-window layers gets their masks too, see `_masks`)."""
         width = int(counts.max())
         cols = torch.arange(width)
         start = width - counts
         visible = (cols[None, :] <= cols[:, None])[None] & (cols[None, None, :] >= start[:, None, None])
-        return _additive(visible, dtype, device)
+        return _masks(config, visible, (cols[:, None] - cols[None, :])[None], dtype, device)
 
     def prefill_positions(self, counts: torch.Tensor) -> torch.Tensor:
         width = int(counts.max())
@@ -75,14 +79,17 @@ class RaggedCache:
         self.start = int(counts.max()) - counts
         self.lengths = counts.clone()
 
-    def append_mask(self, n: int, counts: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
-        """Additive [B, 1, n, S + n] for n new tokens per row (the first counts_b real, causal among themselves)."""
+    def append_mask(self, n: int, counts: torch.Tensor, dtype: torch.dtype, device, config=None):
+        """Additive [B, 1, n, S + n] for n new tokens per row (the first counts_b real, causal among themselves;
+        `config`: as in `prefill_mask`)."""
         cols = torch.arange(self.width)
         old = (cols[None, :] >= self.start[:, None]) & (cols[None, :] < (self.start + self.lengths)[:, None])
         new = torch.arange(n)
         within = (new[None, :] <= new[:, None])[None] & (new[None, None, :] < counts[:, None, None])
         visible = torch.cat([old[:, None, :].expand(-1, n, -1), within], dim=2)
-        return _additive(visible, dtype, device)
+        query = self.append_positions(n)  # [B, n]; row b's column c holds position c - start_b
+        keys = torch.cat([cols[None, :] - self.start[:, None], query], dim=1)
+        return _masks(config, visible, query[:, :, None] - keys[:, None, :], dtype, device)
 
     def append_positions(self, n: int) -> torch.Tensor:
         return self.lengths[:, None] + torch.arange(n)[None, :]
@@ -129,6 +136,15 @@ class RaggedCache:
         for layer in self.cache.layers:
             if getattr(layer, "keys", None) is not None and layer.keys.numel():
                 layer.keys, layer.values = layer.keys[..., :width, :], layer.values[..., :width, :]
+
+
+def _masks(config, visible: torch.Tensor, distance: torch.Tensor, dtype: torch.dtype, device):
+    """The additive mask of bool `visible` [B, n, S]; for a model with sliding-window layers (`config` given) the
+    per-layer-type masks of `eyas.eval.kv.layer_masks`, `distance` [B, n, S] being each query's distance to each
+    key in positions. A draft head's own layers attend in full (`config=None`)."""
+    if config is None:
+        return _additive(visible, dtype, device)
+    return layer_masks(config, visible, distance, lambda v: _additive(v, dtype, device))
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
@@ -180,7 +196,7 @@ class BatchedLMDraft:
         self.kv = RaggedCache()
         ids, counts = _left_padded([p + [r] for p, r in zip(prompts, roots)])
         logits = self._forward(ids, self.kv.prefill_positions(counts),
-                               self.kv.prefill_mask(counts, self.model.dtype, self.model.device))
+                               self.kv.prefill_mask(counts, self.model.dtype, self.model.device, self.model.config))
         self.kv.after_prefill(counts)
         self.nodes = 0
         return logits[:, -1]
@@ -189,7 +205,7 @@ class BatchedLMDraft:
         ids, counts = _right_padded(rows)
         n = ids.shape[1]
         logits = self._forward(ids, self.kv.append_positions(n),
-                               self.kv.append_mask(n, counts, self.model.dtype, self.model.device))
+                               self.kv.append_mask(n, counts, self.model.dtype, self.model.device, self.model.config))
         self.kv.settle(counts)
         return _pick(logits, counts - 1)
 
@@ -259,9 +275,8 @@ class BatchedSharedLayerDraft:
     def _mask_slots(self, rows: int) -> torch.Tensor:
         """Every row's depth-d mask slot logits; at depth 1, every depth's slots in one forward (`SharedLayerDraft`)."""
         if self.depth == 1:
-            n = max(self.slots, 1)  # the slots read the mask token and feature whatever they are given
-            ids, feature = self.head.mask_inputs(torch.zeros(rows, n, dtype=torch.long, device=self.device),
-                                                 self.parent_hidden[:, None].expand(-1, n, -1))
+            n = max(self.slots, 1)
+            ids, feature = mask_slot_inputs(self.head, self.parent_hidden, n)
             counts = torch.full((rows,), n, dtype=torch.long)
             _, logits = self._step(1, ids, feature, self.kv.append_positions(n),
                                    self.kv.append_mask(n, counts, self.dtype, self.device))
@@ -351,10 +366,8 @@ class BatchedBlockDraft:
         self.slots = self.slots[rows.to(self.slots.device)]
 
 
-def batch_unsupported(draft, shape: Shape, target=None) -> str | None:
-    """Why this draft x shape (on `target`) cannot run batched (None: it can)."""
-    if target is not None and SLIDING in attention_kinds(target.config):
-        return "the target's sliding-window layers: batched masks cover full attention only (one prompt at a time is exact)"
+def batch_unsupported(draft, shape: Shape) -> str | None:
+    """Why this draft x shape cannot run batched (None: it can)."""
     if shape.kind != "chain":
         return f"shape '{shape.spec}': only chain shapes are batched (per-row tree layouts are not yet)"
     if isinstance(draft, MixtureDraft):
@@ -380,7 +393,7 @@ class BatchedDecoder:
     """`generate(prompts, max_new_tokens, seeds)` -> one `DecodeResult` per prompt; chain shapes only."""
 
     def __init__(self, target, draft, shape: Shape, params: SamplingParams, eos_token_ids: list[int] | None = None):
-        reason = batch_unsupported(draft, shape, target)
+        reason = batch_unsupported(draft, shape)
         if reason:
             raise ValueError(reason)
         self.single = SpeculativeDecoder(target, draft, shape, params, eos_token_ids)  # the same checks
@@ -425,9 +438,8 @@ class BatchedDecoder:
         results = [DecodeResult(tokens=[]) for _ in prompts]
         kv = RaggedCache()
         ids, counts = _left_padded(prompts)
-        dtype = self.target.dtype
-        logits, features = target_forward(kv, ids, kv.prefill_positions(counts), kv.prefill_mask(counts, dtype, self.device),
-                                          keep=1)
+        mask = kv.prefill_mask(counts, self.target.dtype, self.device, self.target.config)
+        logits, features = target_forward(kv, ids, kv.prefill_positions(counts), mask, keep=1)
         kv.after_prefill(counts)
         roots = [self._choose(logits[b, -1], generators[b]) for b in range(len(prompts))]
         for result, root in zip(results, roots):
@@ -496,8 +508,8 @@ class BatchedDecoder:
         n = self.shape.depth + 1
         counts = torch.full((len(trees),), n, dtype=torch.long)
         ids = torch.tensor([t.tokens for t in trees], dtype=torch.long)
-        logits, features = target_forward(kv, ids, kv.append_positions(n), kv.append_mask(n, counts, self.target.dtype,
-                                                                                           self.device))
+        mask = kv.append_mask(n, counts, self.target.dtype, self.device, self.target.config)
+        logits, features = target_forward(kv, ids, kv.append_positions(n), mask)
         paths, bonuses = [], []
         greedy = logits.argmax(-1).tolist() if self.params.greedy else None
         for i, tree in enumerate(trees):

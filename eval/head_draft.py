@@ -93,6 +93,14 @@ class HeadDraft:
         self.nodes: list[dict] = []
 
 
+def mask_slot_inputs(head: DraftHead, hidden: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids (..., n), features (..., n, H)) of `n` mask slots after the hidden state `hidden` (..., H).
+    The slots read the mask token and feature whatever token and hidden they are given."""
+    lead = hidden.shape[:-1]
+    ids = torch.zeros(*lead, n, dtype=torch.long, device=hidden.device)
+    return head.mask_inputs(ids, hidden.unsqueeze(-2).expand(*lead, n, -1))
+
+
 class SharedLayerDraft(HeadDraft):
     """eagle / eagle3 / peagle: one layer (KV layer 0) for every draft step (see the module docstring).
 
@@ -143,9 +151,8 @@ class SharedLayerDraft(HeadDraft):
         done = len(self.slot_logits)
         if depth > done:  # slots done+1..upto, each at position committed-1+d, causal over the ones above it
             upto, cached = max(depth, self.planned), self.committed + done
-            n = upto - done  # the slots read the mask token and feature whatever token and hidden they are given
-            ids, feats = self.head.mask_inputs(torch.zeros(n, dtype=torch.long, device=self.device),
-                                               self.root_hidden.expand(n, -1))
+            n = upto - done
+            ids, feats = mask_slot_inputs(self.head, self.root_hidden, n)
             visible = torch.cat([torch.ones(n, cached, dtype=torch.bool), torch.ones(n, n, dtype=torch.bool).tril()], 1)
             positions = list(range(self.committed + done, self.committed + upto))
             # step k only selects the layer of a per-step kind: one shared layer runs every slot

@@ -21,6 +21,7 @@ single-token step does.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -89,13 +90,22 @@ def tree_mask(config, prefix: int, tree_visible: torch.Tensor, depths: list[int]
     the model takes a tensor, else {layer type: mask}."""
     new, width = tree_visible.shape
     visible = torch.cat([torch.ones(new, prefix, dtype=torch.bool), tree_visible.cpu()], dim=1)
-    kinds = set(attention_kinds(config))
-    if kinds == {FULL}:
-        return additive_mask(visible, dtype, device)
     query = prefix + torch.tensor(depths, dtype=torch.long)
     key = torch.cat([torch.arange(prefix), query])
-    in_window = query[:, None] - key[None, :] < int(config.sliding_window)  # transformers' sliding_window_overlay
-    masks = {kind: additive_mask(visible & in_window if kind == SLIDING else visible, dtype, device) for kind in kinds}
+    return layer_masks(config, visible, query[:, None] - key[None, :], lambda v: additive_mask(v, dtype, device))
+
+
+def layer_masks(config, visible: torch.Tensor, distance: torch.Tensor, additive: Callable[[torch.Tensor], torch.Tensor]):
+    """A forward's attention mask from `visible` (bool, True = the query may attend the key) and each query's
+    `distance` to each key in positions (same shape): `additive(visible)` where every layer is full, else a
+    sliding layer's mask also hides keys `sliding_window` or more positions behind, as transformers'
+    `sliding_window_overlay` does; one tensor where every layer is sliding and the model takes a tensor
+    (Mistral, no `layer_types`), else {layer type: mask}."""
+    kinds = set(attention_kinds(config))
+    if kinds == {FULL}:
+        return additive(visible)
+    in_window = distance < int(config.sliding_window)
+    masks = {kind: additive(visible & in_window if kind == SLIDING else visible) for kind in kinds}
     if not getattr(config, "layer_types", None):  # every layer sliding, one mask (Mistral)
         return masks[SLIDING]
     return masks

@@ -72,15 +72,34 @@ def test_greedy_output_equals_the_targets_own_past_the_window(target, monkeypatc
     assert _decode_all(target, cases, SHAPES[:1], truncated=False) != references
 
 
-def test_a_batched_eval_decodes_one_prompt_at_a_time_and_unknown_layer_kinds_are_refused(target, monkeypatch):
+def _batched_all(target, prompts: list[list[int]], new: int, shapes=("chain:4", "chain:1")) -> list[list[int]]:
+    """The prompts decoded as one batch (ragged rows), with the copy and the one-layer drafts, in each chain shape."""
+    eos = stop_token_ids(target)
+    outputs = []
+    for draft in (LMDraft(truncated_target(target, target.config.num_hidden_layers), "copy"),
+                  LMDraft(truncated_target(target, 1), "truncated:1")):
+        for spec in shapes:
+            decoder = BatchedDecoder(target, draft, parse_shape(spec), GREEDY, eos)
+            outputs += [result.tokens for result in decoder.generate(prompts, new)]
+    return outputs
+
+
+def test_batched_rows_equal_the_targets_own_past_the_window_and_unknown_layer_kinds_are_refused(target, monkeypatch):
+    """Rows of 5, 20 and 12 prompt tokens in one batch, 40 new tokens each: every row's output is the target's own
+    greedy decode; with the sliding layers masked as full ones, an output differs."""
+    eos = stop_token_ids(target)
+    prompts, new = [prompt for prompt, _ in _cases(target)], 40
+    references = [target_generate(target, prompt, new, GREEDY, eos) for prompt in prompts]
     draft = LMDraft(truncated_target(target, 1), "truncated:1")
-    reason = batch_unsupported(draft, parse_shape("chain:2"), target)
-    assert reason.startswith("the target's sliding-window layers")
-    with pytest.raises(ValueError, match="sliding-window layers"):
-        BatchedDecoder(target, draft, parse_shape("chain:2"), GREEDY, stop_token_ids(target))
-    items = [EncodedPrompt(Prompt(f"p{i}", "any", []), ids) for i, (ids, _) in enumerate(_cases(target)[:2])]
+    assert batch_unsupported(draft, parse_shape("chain:2")) is None
+    assert _batched_all(target, prompts, new) == references * 4
+    items = [EncodedPrompt(Prompt(f"p{i}", "any", []), ids) for i, ids in enumerate(prompts[:2])]
     report = evaluate(target, None, [draft], [parse_shape("chain:3")], items, GREEDY, 16, progress=False, batch_size=2)
-    assert report["configs"][0]["overall"]["greedy_match"] == {"matched": 2, "compared": 2}
+    config = report["configs"][0]
+    assert config["overall"]["greedy_match"] == {"matched": 2, "compared": 2} and not config.get("batch_note"), config
+    with monkeypatch.context() as blind:
+        blind.setattr(kv, "attention_kinds", lambda config: [kv.FULL] * config.num_hidden_layers)
+        assert _batched_all(target, prompts, new, shapes=("chain:4",)) != references * 2
     monkeypatch.setattr(target.config, "layer_types", ["linear_attention"] * target.config.num_hidden_layers,
                         raising=False)
     with pytest.raises(EyasError, match="6 'linear_attention' layers; the eval decoder handles full and sliding"):
