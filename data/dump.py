@@ -28,7 +28,8 @@ finished shard again and redoes the corrupt ones. A single-process rerun also re
 temporary files (`.NAME.tmp.PID`) that a killed writer left behind.
 Rank 0 writes index, vocabulary and manifest once every shard exists: co-launched ranks
 (torchrun / accelerate) wait for each other; independent ones (a SLURM array) leave that to a
-final single-process `eyas dump` that finds everything done.
+final single-process `eyas dump --finalize`, which loads no weights and refuses a missing shard
+(a plain rerun of `eyas dump` that finds everything done does the same, with the target loaded).
 
 Layout: `run_dir/shards/` (train) and `run_dir/shards/heldout/`, see `eyas.data.shards`.
 """
@@ -330,7 +331,8 @@ def dump_split(dataset, out_dir: Path, plan: dict, capture: Any, spec: dict, dum
     """Write this rank's missing or bad shards of one split; returns all shard indices of the split.
 
     Finished shards are trusted without re-hashing (sidecar, size and header checked) unless
-    `reverify`."""
+    `reverify`. `capture=None` (`eyas dump --finalize`): nothing may run, so a shard still to
+    write is refused, naming it."""
     from tqdm import tqdm
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -339,15 +341,19 @@ def dump_split(dataset, out_dir: Path, plan: dict, capture: Any, spec: dict, dum
     shards = plan_shards(lengths, dump_cfg.shard_tokens)
     mine = [i for i in range(len(shards)) if i % world == rank]
     recorded = _manifest_records(out_dir)
-    todo = []
-    for i in mine:
-        problem = check_shard(out_dir, i, full=reverify, expect_plan=plan["fingerprint"], recorded=recorded.get(shard_name(i)))
-        if problem:
-            if problem != "missing":
-                print(f"eyas dump: redoing {out_dir / shard_name(i)}: {problem}", flush=True)
-            # No sidecar until the shard is rewritten: rank 0 must not index a shard being redone.
-            (out_dir / shard_name(i).replace(".safetensors", ".json")).unlink(missing_ok=True)
-            todo.append(i)
+    problems = {i: check_shard(out_dir, i, full=reverify, expect_plan=plan["fingerprint"],
+                               recorded=recorded.get(shard_name(i))) for i in mine}
+    todo = [i for i in mine if problems[i]]
+    if todo and capture is None:
+        named = ", ".join(f"{shard_name(i)} ({problems[i]})" for i in todo[:3]) + (", ..." if len(todo) > 3 else "")
+        raise EyasError(f"eyas dump --finalize: {len(todo)} of {len(shards)} shards of the {label} split in {out_dir} "
+                        f"are not done: {named}. The dump tasks that write them failed or have not run; run the "
+                        "dump again (`eyas submit RECIPE --stage dump`, or `eyas dump RECIPE` where the target fits)")
+    for i in todo:
+        if problems[i] != "missing":
+            print(f"eyas dump: redoing {out_dir / shard_name(i)}: {problems[i]}", flush=True)
+        # No sidecar until the shard is rewritten: rank 0 must not index a shard being redone.
+        (out_dir / shard_name(i).replace(".safetensors", ".json")).unlink(missing_ok=True)
     if todo:  # the dump is incomplete again until rank 0 rewrites the manifest
         (out_dir / MANIFEST).unlink(missing_ok=True)
     pending_tokens = int(sum(lengths[shards[i]].sum() for i in todo))
@@ -414,15 +420,19 @@ def finalize_split(out_dir: Path, num_shards: int, header: dict, wait: bool, pla
 # ----------------------------------------------------------------------------- the stage
 
 
-def dump(recipe: Recipe, model: Any = None, tokenizer: Any = None, reverify: bool = False) -> dict | None:
+def dump(recipe: Recipe, model: Any = None, tokenizer: Any = None, reverify: bool = False,
+         finalize: bool = False) -> dict | None:
     """Run the stage; returns the train manifest (None on ranks/tasks that don't write it).
 
-    `reverify`: hash every finished shard again (a rerun otherwise trusts them) and redo corrupt ones."""
-    rank, world, co_launched = distributed_env()
+    `reverify`: hash every finished shard again (a rerun otherwise trusts them) and redo corrupt ones.
+    `finalize`: one process writes the manifests and the vocabulary of shards that independent tasks
+    (a SLURM array) wrote, loading the target's config and tokenizer but not its weights, so it needs
+    no GPU; a shard still to write is refused."""
+    rank, world, co_launched = (0, 1, False) if finalize else distributed_env()
     run_dir = recipe.run_dir
     splits = {"train": load_prepared(run_dir, "train"), "heldout": load_prepared(run_dir, "heldout")}
     backend = recipe.dump.backend
-    model, tokenizer, config, device, backend_fields = backend_target(recipe, model, tokenizer)
+    model, tokenizer, config, device, backend_fields = backend_target(recipe, model, tokenizer, weights=not finalize)
     check_against_target(recipe, config)
     info = prepared_info(run_dir)
     if info.get("tokenizer_identity") != tokenizer_identity(tokenizer):
@@ -431,9 +441,6 @@ def dump(recipe: Recipe, model: Any = None, tokenizer: Any = None, reverify: boo
     if device.type == "cpu" and world > 1 and co_launched:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     spec = feature_spec(recipe, config)
-    if backend == "vllm" and spec["topk"]:
-        raise EyasError("dump.backend=vllm stores no top-k teacher (that needs the target's lm_head over every "
-                        "position); set dump.teacher=last_hidden, or dump.backend=transformers")
     identity = target_identity(config, tokenizer)
     hidden = int(config.hidden_size)
     vocab_size = int(config.vocab_size)
@@ -463,14 +470,15 @@ def dump(recipe: Recipe, model: Any = None, tokenizer: Any = None, reverify: boo
         stale = remove_stale_temps(root)
         if stale:
             print(f"eyas dump: removed {len(stale)} temporary file(s) left by an interrupted run", flush=True)
-    capture = make_capture(recipe, model, config, spec, splits, root / f".vllm-hidden-{rank}")
+    capture = None if finalize else make_capture(recipe, model, config, spec, splits, root / f".vllm-hidden-{rank}")
     counts = {}
     try:
         for split, dataset in splits.items():
             counts[split] = dump_split(dataset, outputs[split], plans[split], capture, spec, recipe.dump, vocab_size,
                                        device, rank, world, split, reverify=reverify)
     finally:
-        capture.close()
+        if capture is not None:
+            capture.close()
     if rank != 0:
         return None
     manifests = {}
@@ -484,19 +492,22 @@ def dump(recipe: Recipe, model: Any = None, tokenizer: Any = None, reverify: boo
     return manifests["train"]
 
 
-def backend_target(recipe: Recipe, model: Any, tokenizer: Any) -> tuple[Any, Any, Any, torch.device, dict]:
+def backend_target(recipe: Recipe, model: Any, tokenizer: Any,
+                   weights: bool = True) -> tuple[Any, Any, Any, torch.device, dict]:
     """What `dump.backend` needs of the target before anything runs: (the transformers model, or None
-    for vLLM, which loads its own; the tokenizer; the config; the device features arrive on; the
-    manifest fields naming the backend). vLLM's version is read first: without vLLM, one line before
-    anything loads."""
+    for vLLM, which loads its own, and without `weights`; the tokenizer; the config; the device
+    features arrive on; the manifest fields naming the backend). vLLM's version is read first:
+    without vLLM, one line before anything loads."""
+    fields = {"backend": recipe.dump.backend}
     if recipe.dump.backend == "vllm":
-        fields = {"backend": "vllm", "vllm_version": vllm_version()}
+        fields["vllm_version"] = vllm_version()
+    if recipe.dump.backend == "vllm" or not weights:
         config = load_target_config(recipe.target.path, trust_remote_code=recipe.target.trust_remote_code)
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(recipe.target)
         return None, tokenizer, config, torch.device("cpu"), fields  # the engine's features arrive on the host
     if model is None:
         model, tokenizer = load_target(recipe.target)
-    return model, tokenizer, model.config, next(model.parameters()).device, {"backend": recipe.dump.backend}
+    return model, tokenizer, model.config, next(model.parameters()).device, fields
 
 
 def make_capture(recipe: Recipe, model: Any, config: Any, spec: dict, splits: dict, storage: Path) -> Any:
@@ -531,9 +542,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reverify", action="store_true",
                         help="hash every finished shard again and redo corrupt ones (a rerun otherwise trusts shards "
                              "whose sidecar, size and header fit); runs the stage even if it is current")
+    parser.add_argument("--finalize", action="store_true",
+                        help="write the manifests and the draft vocabulary of shards that separate tasks (a SLURM "
+                             "array) wrote, without loading the target's weights (no GPU needed); refuses if a "
+                             "shard is missing. The `dump-finalize` job of `eyas submit` runs this")
 
     def body(recipe: Any, args: Any) -> None:
-        stages.run("dump", recipe, lambda: _report(dump(recipe, reverify=args.reverify), recipe.run_dir / "shards"),
+        stages.run("dump", recipe, lambda: _report(dump(recipe, reverify=args.reverify, finalize=args.finalize),
+                                                   recipe.run_dir / "shards"),
                    force=args.force or args.reverify)
 
     return stage_main("dump", argv, body, parser=parser)

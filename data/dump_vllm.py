@@ -122,7 +122,7 @@ class VllmCapture:
     `aux_layers`: HF `hidden_states` indices of the fused layers; `need_last`: also return the
     final-norm output. `storage`: the folder the connector writes to (created, removed by close)."""
 
-    model = None  # no transformers model: a top-k teacher needs its lm_head (refused by `dump`)
+    model = None  # no transformers model: a top-k teacher needs its lm_head (refused at recipe load)
 
     def __init__(self, folder: Path, config: Any, dtype: torch.dtype, aux_layers: list[int], need_last: bool,
                  dump_cfg: Any, max_model_len: int, storage: Path, seed: int = 0) -> None:

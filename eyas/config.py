@@ -491,6 +491,9 @@ def validate(recipe: Recipe) -> Recipe:
         raise EyasError(f"recipe key 'dump.layers' must be a list of integers, got {recipe.dump.layers!r}")
     if recipe.dump.layers and len(recipe.dump.layers) != 3:
         raise EyasError(f"recipe key 'dump.layers' takes 3 layer indices (low, middle, high), got {recipe.dump.layers!r}")
+    if recipe.dump.backend == "vllm" and recipe.dump.teacher == "topk":
+        raise EyasError("dump.backend=vllm stores no top-k teacher (that needs the target's lm_head over every "
+                        "position); set dump.teacher=last_hidden, or dump.backend=transformers")
     if not recipe.eval.shapes or not all(isinstance(s, str) for s in recipe.eval.shapes):
         raise EyasError(f"recipe key 'eval.shapes' must be a non-empty list of shape strings, got {recipe.eval.shapes!r}")
     if not all(isinstance(d, str) and d for d in recipe.eval.drafts):

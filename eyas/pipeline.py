@@ -47,9 +47,10 @@ class Command:
     upstream: Callable[[Recipe], tuple[str, ...]] = _reads_nothing
     done_files: tuple[str, ...] = ()
     # SLURM (slurm/submit.py): the `slurm/<job>.sbatch` templates of the stage, chained in this order,
-    # and the GPUs each of its jobs holds on GPU nodes.
+    # the GPUs each of its jobs holds on GPU nodes, and the jobs among them that run on the host alone.
     slurm_jobs: tuple[str, ...] = ()
     slurm_gpus: Callable[[Recipe], Gpus] = _no_gpu
+    slurm_host_jobs: tuple[str, ...] = ()
 
     @property
     def is_stage(self) -> bool:
@@ -76,7 +77,8 @@ _TABLE = (
             output=lambda r: r.run_dir / "shards", sections=("target", "dump", "draft.kind"),
             upstream=lambda r: ("prepare",), done_files=("manifest.json", "heldout/manifest.json"),
             # an array of target tasks, then one task that writes the manifest and the draft vocabulary
-            slurm_jobs=("dump", "dump_finalize"), slurm_gpus=_dump_gpus),
+            # from their shards without the target's weights (`eyas dump --finalize`): no GPU
+            slurm_jobs=("dump", "dump_finalize"), slurm_gpus=_dump_gpus, slurm_host_jobs=("dump_finalize",)),
     Command("train", "eyas.train.loop", "train a draft head (eagle, eagle3, mtp) from shards or online",
             output=lambda r: r.run_dir / "checkpoints", sections=("target", "draft", "train"),
             upstream=lambda r: ("prepare",) if r.train.source == "online" else ("dump",),

@@ -688,7 +688,7 @@ def fit_advice(stage: str, recipe: Recipe, config: Any, hw: Hardware, sharding: 
                         "step" if stage == "train" and budget % value == 0 else ""
                 fits.append(f"{stage}.token_budget={value} fits ({smaller / GIB:.1f} GiB{accum})")
                 break
-    # a vLLM dump stores no top-k teacher (data/dump.py refuses it): not offered for one
+    # a vLLM dump stores no top-k teacher (the recipe refuses the pair): not offered for one
     if stage == "dump" and recipe.dump.backend != "vllm" and hw.gpus > 1 and not feature_spec(recipe, config)["topk"]:
         for gpus in (g for g in (2, 4, 8) if g <= hw.gpus):
             engine = with_setting(with_setting(recipe, "dump.backend", "vllm"), "dump.vllm_tensor_parallel_size", gpus)

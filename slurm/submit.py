@@ -9,7 +9,8 @@ Stages and the jobs each submits (`--stage all` chains them with `--dependency=a
 - `dump`: a job array of `--dump-tasks` tasks (default: the nodes' GPUs over the GPUs a task holds:
   one, or `dump.vllm_tensor_parallel_size` with `dump.backend: vllm`), each the frozen
   target over a disjoint part of the samples (RANK/WORLD_SIZE), then a one-task `dump-finalize`
-  job that writes the manifest and the draft vocabulary. Needs `prepare` done first: submit
+  job without GPUs (`eyas dump --finalize`, no target weights) that writes the manifest and the
+  draft vocabulary. Needs `prepare` done first: submit
   `--stage prepare,dump` or `all`, or run `eyas prepare` beforehand.
 - `train`: `--nodes` nodes, one launcher per node (`torchrun`, or `accelerate launch` with
   `--launcher accelerate`, each run by `eyas launch`), `--procs-per-node` processes each (default:
@@ -220,13 +221,13 @@ def job_values(recipe: Recipe, args: argparse.Namespace, plan: Plan, recipe_path
         "launch_args": rest,
         "device_env": cpu_env,
         "dump_command": f"{python} -m eyas.cli dump {recipe_arg}",
-        "finalize_command": f"{python} -m eyas.cli dump {recipe_arg}",
+        "finalize_command": f"{python} -m eyas.cli dump --finalize {recipe_arg}",
     }
 
 
-def gpu_request(stage: str, plan: Plan, recipe: Recipe) -> str:
-    """The GPU option for a stage's job ('' on CPU nodes or for CPU-only stages)."""
-    if plan.gpus_per_node == 0:
+def gpu_request(stage: str, job: str, plan: Plan, recipe: Recipe) -> str:
+    """The GPU option for one job of a stage ('' on CPU nodes, for CPU-only stages and host-only jobs)."""
+    if plan.gpus_per_node == 0 or job in STAGES[stage].slurm_host_jobs:
         return ""
     gpus = STAGES[stage].slurm_gpus(recipe)
     if gpus == "node":
@@ -274,11 +275,11 @@ def submit(recipe: Recipe, args: argparse.Namespace) -> dict:
     jobs: dict[str, str] = {}
     previous: str | None = None
     for stage in stages:
-        stage_values = {**values, "sbatch_lines": _sbatch_lines(args, gpu_request(stage, plan, recipe)),
-                        "cpus_per_task": plan.cpus_for(stage, recipe)}
         for name in template_names(stage):
+            script_values = {**values, "sbatch_lines": _sbatch_lines(args, gpu_request(stage, name, plan, recipe)),
+                             "cpus_per_task": plan.cpus_for(stage, recipe)}
             script = slurm_dir / f"{name}.sbatch"
-            script.write_text(render(template_text(name), stage_values))
+            script.write_text(render(template_text(name), script_values))
             script.chmod(0o755)
             after = f" --dependency=afterok:{previous}" if previous else ""
             if args.dry_run:

@@ -38,6 +38,7 @@ HELPERS = {"machine.py": "the machine/versions record and the smoke helpers (tin
 SLOW = {
     "bench_peer_speculators.py": "prepares a run, trains two drafts, serves three vLLM engines: 53 s idle, 90 s beside other jobs",
     "study_widened.py": "`vllm serve` for generate, then dump, train and two evals: about 2 minutes",
+    "bench_dump_backends.py": "a transformers dump and a vLLM dump (35 s of engine start): 65 s idle",
 }
 BENCH_LINE = re.compile(r"^BENCH \S+ [-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)? \S+", re.MULTILINE)
 TIMEOUT_S = {"fast": 300, "slow": 840}  # below pytest's own 900 s, so a hang reports the script's output

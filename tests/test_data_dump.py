@@ -393,26 +393,38 @@ def test_draft_vocab_from_masked_frequencies(workspace):
     assert bool((counts[~t2d] <= threshold).all())  # nothing left out is more frequent than what was kept
 
 
-def test_ranks_write_disjoint_parts(workspace):
-    """Two ranks run one after the other (as a SLURM array would), then a single-process finalize."""
+def test_ranks_write_disjoint_parts(workspace, monkeypatch):
+    """Two ranks run one after the other (as a SLURM array would), then a single-process finalize
+    (`eyas dump --finalize`, the SLURM dump-finalize job) that never loads the target's weights."""
     single = _run(workspace, "uninterrupted")
     if not (single.run_dir / "shards" / "manifest.json").exists():
         dump(single)
     split = _run(workspace, "two-ranks")
-    env = dict(os.environ)
-    try:
-        for rank in (0, 1):
-            os.environ.update(RANK=str(rank), WORLD_SIZE="2")
-            assert dump(split) is None  # rank 0 finds rank 1's part missing; rank 1 never writes the manifest
-            names = {p.name for p in (split.run_dir / "shards").glob("shard-*.safetensors")}
-            if rank == 0:
-                assert names and all(int(n[6:11]) % 2 == 0 for n in names)
-    finally:
-        os.environ.clear()
-        os.environ.update(env)
-    manifest = dump(split)
+    real_load_target = dump_module.load_target
+
+    def no_weights(target):
+        raise AssertionError("the finalize loaded the target's weights")
+
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setattr(dump_module, "load_target", real_load_target)
+        assert dump(split) is None  # rank 0 finds rank 1's part missing; rank 1 never writes the manifest
+        names = {p.name for p in (split.run_dir / "shards").glob("shard-*.safetensors")}
+        monkeypatch.delenv("RANK")
+        monkeypatch.delenv("WORLD_SIZE")
+        monkeypatch.setattr(dump_module, "load_target", no_weights)
+        if rank == 0:
+            assert names and all(int(n[6:11]) % 2 == 0 for n in names)
+            # rank 1's shards are missing: the finalize names the first of them and writes nothing
+            with pytest.raises(EyasError, match=r"--finalize: \d+ of \d+ shards of the train split .* "
+                                                r"shard-00001\.safetensors \(missing\)"):
+                dump(split, finalize=True)
+            assert not (split.run_dir / "shards" / "manifest.json").exists()
+    manifest = dump(split, finalize=True)
     assert _files(split.run_dir / "shards") == _files(single.run_dir / "shards")
-    assert manifest["num_samples"] == json.loads((single.run_dir / "shards" / "manifest.json").read_text())["num_samples"]
+    expected = json.loads((single.run_dir / "shards" / "manifest.json").read_text())
+    assert manifest["shards"] == expected["shards"] and manifest["vocab"] == expected["vocab"]
 
 
 @pytest.mark.slow

@@ -141,8 +141,8 @@ def test_all_stages_chained_in_order_and_every_script_runs_its_stage(recipe_file
             continue  # run below, with its launcher
         (stubs / "calls.jsonl").unlink(missing_ok=True)
         calls = _run(script, stubs)
-        stage = "dump" if name == "dump_finalize" else name
-        assert [c["argv"] for c in calls] == [["-m", "eyas.cli", stage, recipe]], name
+        command = ["dump", "--finalize"] if name == "dump_finalize" else [name]
+        assert [c["argv"] for c in calls] == [["-m", "eyas.cli", *command, recipe]], name
         assert calls[0]["cwd"] == str(tmp_path)  # jobs start in the submit directory
     # A dump array task is rank SLURM_ARRAY_TASK_ID of SLURM_ARRAY_TASK_COUNT, with no rendezvous to wait for.
     (stubs / "calls.jsonl").unlink()
@@ -229,7 +229,7 @@ def test_gpu_resources_per_stage(recipe_file, tmp_path, stubs, capsys):
     assert (options["dump"]["--array"], options["dump"]["--gpus"], options["dump"]["--cpus-per-task"]) == \
         ("0-15", "1", "8")
     assert options["eval"]["--gpus"] == "1"
-    for name in ("prepare", "export"):
+    for name in ("prepare", "dump_finalize", "export"):  # the finalize job loads no weights
         assert not any(k.startswith("--gpu") for k in options[name]), name
     for name, opts in options.items():
         assert (opts["--partition"], opts["--time"], opts["--qos"]) == ("gpu", "4:00:00", "high"), name
