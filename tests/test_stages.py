@@ -171,14 +171,15 @@ def test_slurm_job_order_is_the_table_order(tmp_path, capsys):
     assert submit.main(argv) == 0
     printed = [line.split()[0] for line in capsys.readouterr().out.strip().splitlines()]
     assert printed == jobs
-    # The GPUs each job holds on GPU nodes are the table's.
+    # The GPUs each job holds on GPU nodes are the table's (none for the jobs it runs on the host alone).
     recipe = _recipe(tmp_path)
     expected = {"node": "#SBATCH --gpus-per-node=4", "one": "#SBATCH --gpus=1", "none": None}
     for name in PIPELINE:
         for job in STAGES[name].slurm_jobs:
             lines = (tmp_path / "runs" / "sl" / "slurm" / f"{job}.sbatch").read_text().splitlines()
             gpu_lines = [line for line in lines if line.startswith("#SBATCH --gpus")]
-            want = expected[STAGES[name].slurm_gpus(recipe)]
+            host_only = job in STAGES[name].slurm_host_jobs
+            want = None if host_only else expected[STAGES[name].slurm_gpus(recipe)]
             assert gpu_lines == ([want] if want else []), job
 
 
