@@ -9,7 +9,10 @@ How the assistant tokens are found:
 - any other template: render the conversation up to each assistant turn with the
   generation prompt, and up to the end of that turn; the characters between the two
   renders (trailing whitespace dropped) are the assistant's. Characters map to tokens
-  through the tokenizer's offsets, so the mask never depends on how a prefix tokenises;
+  through the tokenizer's offsets, so the mask never depends on how a prefix tokenises.
+  A template that closes the conversation's last turn with its own marker (gpt-oss's harmony
+  format: `<|return|>` there, `<|end|>` after every earlier turn) is read the same way, each
+  earlier turn taking the marker the full render writes after it;
 - templates whose renders are not prefixes of each other (some "thinking" templates
   rewrite earlier turns) fall back to locating each turn's content in the full render.
 
@@ -107,17 +110,20 @@ def has_generation_markers(template: str | None) -> bool:
 
 def _prefix_spans(tokenizer: Any, messages: list[dict], text: str) -> list[tuple[int, int]] | None:
     """Character spans of assistant turns from prefix renders; None if renders aren't prefixes."""
-    spans = []
+    spans, markers = [], None
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
         before = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
         through = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
-        if not (text.startswith(before) and text.startswith(through) and len(through) >= len(before)):
+        if text.startswith(through):
+            end = len(through.rstrip())
+        else:  # a template may close the conversation's last turn differently (gpt-oss: <|return|>, not <|end|>)
+            markers = markers or _end_markers(tokenizer)
+            end = _history_end(text, through.rstrip(), markers)
+        if not text.startswith(before) or end is None or len(through) < len(before):
             return None
-        if i == 0 and not through.startswith(before):
-            return None
-        start, end = len(before), len(through.rstrip())
+        start = len(before)
         if i == 0:  # no generation prompt to subtract: the turn starts where its content starts
             found = through.find(message["content"].strip())
             start = found if found >= 0 else end
@@ -125,17 +131,36 @@ def _prefix_spans(tokenizer: Any, messages: list[dict], text: str) -> list[tuple
     return spans
 
 
-def _end_of_turn(tokenizer: Any) -> str:
-    """The text a template writes after an assistant's content (e.g. `<|im_end|>`)."""
-    probe = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "probe-answer"}]
-    through = _render(tokenizer, probe, add_generation_prompt=False)
-    at = through.rfind("probe-answer")
-    return through[at + len("probe-answer"):].rstrip() if at >= 0 else ""
+def _history_end(text: str, through: str, markers: tuple[str, str]) -> int | None:
+    """Where a turn that `through` renders as the last one ends in `text`, which continues past it: `through`
+    with its closing marker swapped for the one the template writes after an earlier turn; None if it differs
+    in more than that (a template that rewrites the turn)."""
+    last, history = markers
+    if not (last and history and through.endswith(last)):
+        return None
+    body = through[: len(through) - len(last)]
+    return len(body) + len(history) if text.startswith(body + history) else None
+
+
+def _end_markers(tokenizer: Any) -> tuple[str, str]:
+    """The text a template writes after an assistant's content when the turn is the conversation's last
+    (e.g. `<|im_end|>`; gpt-oss's harmony format: `<|return|>`) and when another turn follows (the same, or
+    the added token the template writes there instead: harmony's `<|end|>`)."""
+    answer = "probe-answer"
+    probe = [{"role": "user", "content": "u"}, {"role": "assistant", "content": answer}]
+    last = _render(tokenizer, probe, add_generation_prompt=False)
+    history = _render(tokenizer, probe + [{"role": "user", "content": "v"}], add_generation_prompt=False)
+    last_end = last[last.rfind(answer) + len(answer):].rstrip() if answer in last else ""
+    after = history[history.find(answer) + len(answer):] if answer in history else ""
+    if after.startswith(last_end):
+        return last_end, last_end
+    added = [token for token in tokenizer.get_added_vocab() if token and after.startswith(token)]
+    return last_end, max(added, key=len, default="")
 
 
 def _search_spans(tokenizer: Any, messages: list[dict], text: str) -> list[tuple[int, int]]:
     """Fallback: find each assistant content in order in the full render."""
-    suffix = _end_of_turn(tokenizer)
+    markers = _end_markers(tokenizer)
     spans, cursor = [], 0
     for message in messages:
         content = message["content"].strip()
@@ -148,8 +173,7 @@ def _search_spans(tokenizer: Any, messages: list[dict], text: str) -> list[tuple
         if at < 0:
             continue  # the template dropped or rewrote this turn beyond recognition
         end = at + len(content)
-        if suffix and text.startswith(suffix, end):
-            end += len(suffix)
+        end += next((len(marker) for marker in markers if marker and text.startswith(marker, end)), 0)
         spans.append((at, end))
         cursor = end
     return spans

@@ -24,6 +24,9 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# gpt-oss's harmony format (tests/data/templates/harmony.jinja): its special tokens, the last one ending generation.
+HARMONY_SPECIALS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>"]
+TEMPLATES = Path(__file__).parent / "data" / "templates"
 
 _CORPUS = [
     "Hello, how are you doing today? I am fine, thank you for asking.",
@@ -37,8 +40,9 @@ _CORPUS = [
 ]
 
 
-def build_tokenizer(vocab_size: int = 384):
-    """A byte-level BPE tokenizer with ChatML tokens and template (PreTrainedTokenizerFast)."""
+def build_tokenizer(vocab_size: int = 384, chat_format: str = "chatml"):
+    """A byte-level BPE tokenizer with ChatML tokens and template (PreTrainedTokenizerFast); with
+    `chat_format="harmony"`, gpt-oss's harmony tokens and template as well, `<|return|>` its end of sequence."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -55,6 +59,9 @@ def build_tokenizer(vocab_size: int = 384):
         pad_token="<|endoftext|>", unk_token="<|endoftext|>",
     )
     fast.chat_template = CHATML_TEMPLATE
+    if chat_format == "harmony":
+        fast.add_special_tokens({"additional_special_tokens": HARMONY_SPECIALS, "eos_token": "<|return|>"})
+        fast.chat_template = (TEMPLATES / "harmony.jinja").read_text()
     return fast
 
 
@@ -84,7 +91,8 @@ def _tiny_config(family: str, vocab_size: int, **overrides):
     return classes[family](**base)
 
 
-def build_tiny_target(out_dir: str | Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
+def build_tiny_target(out_dir: str | Path, family: str = "llama", seed: int = 0, chat_format: str = "chatml",
+                      **overrides) -> Path:
     """Save a tiny randomly initialised causal LM + tokenizer to `out_dir`; return the path.
 
     The output head is scaled up so the next-token distribution is peaked (mean top
@@ -96,7 +104,7 @@ def build_tiny_target(out_dir: str | Path, family: str = "llama", seed: int = 0,
     from transformers import AutoModelForCausalLM
 
     out_dir = Path(out_dir)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(chat_format=chat_format)
     vocab = len(tokenizer)
     config = _tiny_config(family, vocab, **overrides)
     config.bos_token_id = tokenizer.bos_token_id

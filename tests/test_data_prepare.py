@@ -129,20 +129,91 @@ def test_generation_markers_agree_with_prefix_rendering(smol_tokenizer):
     assert ids_marked == ids_prefix and mask_marked == mask_prefix
 
 
-def test_non_prefix_template_falls_back_to_content_search(smol_tokenizer):
+def _harmony_tokenizer():
+    from fixtures import build_tokenizer
+
+    return build_tokenizer(chat_format="harmony")
+
+
+def _harmony_library_render(conversation: list[dict], for_completion: bool = False) -> str:
+    """gpt-oss's own renderer (openai_harmony, which vLLM installs): the text its training and serving see."""
+    import openai_harmony as harmony
+
+    def message(role, content):
+        return harmony.Message.from_role_and_content(role, content)
+
+    messages = [message(harmony.Role.SYSTEM, harmony.SystemContent.new())]
+    for m in conversation:
+        if m["role"] == "system":
+            messages.append(message(harmony.Role.DEVELOPER, harmony.DeveloperContent.new().with_instructions(m["content"])))
+        elif m["role"] == "user":
+            messages.append(message(harmony.Role.USER, m["content"]))
+        else:
+            messages.append(message(harmony.Role.ASSISTANT, m["content"]).with_channel("final"))
+    encoding = harmony.load_harmony_encoding(harmony.HarmonyEncodingName.HARMONY_GPT_OSS)
+    rendered = harmony.Conversation.from_messages(messages)
+    tokens = (encoding.render_conversation_for_completion(rendered, harmony.Role.ASSISTANT) if for_completion
+              else encoding.render_conversation_for_training(rendered))
+    return encoding.decode(tokens)
+
+
+@pytest.mark.parametrize("system", [[], [{"role": "system", "content": "You are terse."}]], ids=["default", "developer"])
+def test_gpt_oss_harmony_golden(system):
+    tok = _harmony_tokenizer()
+    conversation = system + CONVERSATION
+    ids, mask = tokenize_conversation(tok, conversation)
+    assert tok.decode(ids) == _harmony_library_render(conversation)
+    assert tok.apply_chat_template(conversation[:-1], tokenize=False, add_generation_prompt=True) == \
+        _harmony_library_render(conversation[:-1], for_completion=True)
+    # After the generation prompt `<|start|>assistant` the model writes the channel header, its reply and the
+    # turn's end: all trained. The last turn ends <|return|> (the token that stops generation), earlier ones
+    # <|end|> (what the template writes once another turn follows), each taken from the full render.
+    assert _runs(tok, ids, mask) == ["<|channel|>final<|message|>Hello! How can I help?<|end|>",
+                                     "<|channel|>final<|message|> Why not.\n<|return|>"]
+    assert _runs(tok, ids, mask, 0)[-1] == "<|start|>user<|message|>Tell me a joke.<|end|><|start|>assistant"
+
+
+def test_prepare_on_a_gpt_oss_target_trains_each_reply_in_its_harmony_frame(tmp_path):
+    """The stage on a tiny gpt-oss target whose folder carries the harmony template: every prepared row is the
+    library's own render of its conversation, and exactly the replies in their frames are trained."""
+    from fixtures import build_tiny_target
+
+    from eyas.data.sources import chitchat_rows
+
+    target = build_tiny_target(tmp_path / "gpt_oss", "gpt_oss", chat_format="harmony")
+    rows = [r for r in chitchat_rows() if any(m["role"] == "assistant" for m in r["messages"])][:12]
+    source = _write_jsonl(tmp_path / "rows.jsonl", rows)
+    prepare(_recipe(tmp_path, target, source, "data.max_length=16384", "data.overflow=drop"))
+    tok = _harmony_tokenizer()
+    prepared = load_prepared(tmp_path / "runs/default", "train")
+    assert len(prepared) == 12, (tmp_path / "runs/default/prepared/skipped.json").read_text()
+    for row in prepared:
+        assert tok.decode(row["input_ids"]) == _harmony_library_render(row["messages"])
+        replies = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+        ends = ["<|end|>"] * (len(replies) - 1) + ["<|return|>"]
+        assert _runs(tok, row["input_ids"], row["loss_mask"]) == [
+            f"<|channel|>final<|message|>{reply}{end}" for reply, end in zip(replies, ends)]
+
+
+@pytest.mark.parametrize("family", ["chatml", "harmony"])
+def test_non_prefix_template_falls_back_to_content_search(smol_tokenizer, family):
     # A template that rewrites earlier assistant turns (like "thinking" templates dropping thoughts):
     # only the last assistant turn keeps its <think> block, so prefix renders are not prefixes.
-    tok = smol_tokenizer
+    # In harmony's form the last turn's end (<|return|>) differs from an earlier one's (<|end|>): each is found.
+    start, end_last, end_history = (("<|im_start|>{{ m.role }}\n", "<|im_end|>\n", "<|im_end|>\n")
+                                    if family == "chatml" else ("<|start|>{{ m.role }}<|message|>", "<|return|>", "<|end|>"))
+    tok = smol_tokenizer if family == "chatml" else _harmony_tokenizer()
     tok.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{% for m in messages %}" + start +
         "{% if m.role == 'assistant' and not loop.last %}{{ m.content.split('</think>')[-1] }}"
-        "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+        "{% else %}{{ m.content }}{% endif %}"
+        f"{{% if m.role == 'assistant' and loop.last %}}{end_last}{{% else %}}{end_history}{{% endif %}}{{% endfor %}}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
     msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "<think>x</think>one"},
             {"role": "user", "content": "b"}, {"role": "assistant", "content": "two"}]
     ids, mask = tokenize_conversation(tok, msgs)
-    assert _runs(tok, ids, mask) == ["one<|im_end|>", "two<|im_end|>"]
+    assert _runs(tok, ids, mask) == [f"one{end_history.strip()}", f"two{end_last.strip()}"]
 
 
 def _write_jsonl(path: Path, lines: list) -> Path:
