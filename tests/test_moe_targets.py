@@ -3,7 +3,7 @@ layers) and a tiny gpt-oss (the same, plus sliding-window layers of 8 tokens alt
 attention sinks), saved and loaded through transformers' `from_pretrained` like a user's model folder.
 
 prepare and dump store the target's own hidden states (the residual stream between decoder layers: an MoE
-layer's output like a dense one's; router logits are not features), eagle3 and mtp heads train on them,
+layer's output like a dense one's; router logits are not features), eagle3, mtp and dflash heads train on them,
 the exact decoder's outputs equal the target's greedy decode at T=0 (past gpt-oss's window), and the
 exports load back as the engines see them. vLLM serving the Qwen3-MoE draft: tests/test_vllm_parity.py.
 """
@@ -75,7 +75,8 @@ def _losses(run_dir) -> list[float]:
     return [r["loss"] for r in rows if r["kind"] == "train"]
 
 
-@pytest.mark.parametrize("kind, extra", [("eagle3", ()), ("mtp", ("draft.kind=mtp", "draft.num_steps=3"))])
+@pytest.mark.parametrize("kind, extra", [("eagle3", ()), ("mtp", ("draft.kind=mtp", "draft.num_steps=3")),
+                                         ("dflash", ("draft.kind=dflash", "draft.num_steps=3"))])
 def test_a_draft_trains_on_the_moe_target_and_decodes_it_exactly(workspace, tmp_path, capsys, kind, extra):
     recipe = _recipe(workspace, f"moe_{kind}", *extra)
     train(recipe)
