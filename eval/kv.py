@@ -27,28 +27,12 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from eyas.errors import EyasError
-
-FULL, SLIDING = "full_attention", "sliding_attention"
-
-
-def attention_kinds(config) -> list[str]:
-    """Each layer's attention as the model's forward picks its mask: the config's `layer_types` where it has
-    them, else every layer sliding when `sliding_window` is set (Mistral's convention), else every layer full."""
-    types = getattr(config, "layer_types", None)
-    if types:
-        return list(types)
-    return [SLIDING if getattr(config, "sliding_window", None) else FULL] * int(config.num_hidden_layers)
+from eyas.targets import FULL, SLIDING, attention_kinds, check_layer_kinds
 
 
 def check_attention(model) -> None:
     """The decoder needs full or sliding-window attention layers and a kernel that takes a 4D mask."""
-    kinds = attention_kinds(model.config)
-    other = [kind for kind in kinds if kind not in (FULL, SLIDING)]
-    if other:
-        raise EyasError(f"the target has {len(other)} '{other[0]}' layers; the eval decoder handles full and "
-                        "sliding-window attention only (linear-attention and hybrid targets are not supported yet)")
-    if SLIDING in kinds and not getattr(model.config, "sliding_window", None):
-        raise EyasError("the target's config names sliding-window layers but sets no sliding_window; fix its config.json")
+    check_layer_kinds(model.config)
     impl = getattr(model.config, "_attn_implementation", "sdpa")
     if impl not in ("sdpa", "eager"):
         raise EyasError(

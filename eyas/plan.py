@@ -47,9 +47,9 @@ from eyas.draft.config import target_shapes, text_config
 from eyas.draft.features import FUSED_LAYERS, LAST_HIDDEN
 from eyas.draft.head import DraftHead
 from eyas.draft.registry import build_head, head_class, uses_draft_vocab
-from eyas.errors import EyasError
+from eyas.errors import EyasError, UnsupportedTarget
 from eyas.precision import mixed_precision_for
-from eyas.targets import load_target_config
+from eyas.targets import check_layer_kinds, load_target_config
 from eyas.train.loader import TokenBudgetLoader
 
 GIB = float(1 << 30)
@@ -171,6 +171,8 @@ def read_config(recipe: Recipe, target_config: str | None = None) -> Any:
     if target_config is None:
         try:
             return load_target_config(recipe.target.path, trust_remote_code=recipe.target.trust_remote_code)
+        except UnsupportedTarget:
+            raise
         except EyasError as exc:
             raise EyasError(f"cannot read the target's config ({exc}); give it with --target-config PATH_OR_DIR: a "
                             "config.json alone is enough, e.g. huggingface-cli download meta-llama/Llama-3.1-8B-Instruct "
@@ -181,9 +183,11 @@ def read_config(recipe: Recipe, target_config: str | None = None) -> Any:
 
         try:
             data = json.loads(path.read_text())
-            return AutoConfig.for_model(data.pop("model_type"), **data)
+            config = AutoConfig.for_model(data.pop("model_type"), **data)
         except (OSError, ValueError, KeyError) as exc:
             raise EyasError(f"--target-config '{path}' is not a readable model config.json ({exc})") from None
+        check_layer_kinds(config, f"--target-config '{path}'")
+        return config
     if not (path / "config.json").is_file():
         raise EyasError(f"--target-config '{path}' is neither a config.json nor a folder holding one")
     return load_target_config(str(path), trust_remote_code=recipe.target.trust_remote_code)

@@ -26,7 +26,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from eyas.errors import EyasError
+from eyas.errors import EyasError, UnsupportedTarget
 
 SMOLLM2_ALIAS = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -136,6 +136,7 @@ def load_target_config(path: str, trust_remote_code: bool = False) -> Any:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise EyasError(f"target.path '{path}': transformers cannot read its config.json ({first})") from None
     _check_causal_lm(config, path)
+    check_layer_kinds(config, f"target.path '{path}'")
     return config
 
 
@@ -148,10 +149,43 @@ def _check_causal_lm(config: Any, path: str) -> None:
     causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs) if archs else \
         type(config) in MODEL_FOR_CAUSAL_LM_MAPPING
     if not causal:
-        raise EyasError(
+        raise UnsupportedTarget(
             f"target.path '{path}' holds a '{config.model_type}' model, which is not a causal LM; "
             "give a decoder-only chat model (Llama, Qwen2/3, Mistral, ...)"
         )
+
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+def attention_kinds(config: Any) -> list[str]:
+    """Each layer's kind as the model's forward picks its mask: the config's `layer_types` where it has them
+    (transformers names every family's layers there, "linear_attention" for Mamba, Qwen3-Next, ...), else
+    `layers_block_type` (RecurrentGemma), else none for a model without attention heads (RWKV, xLSTM), else
+    every layer sliding when `sliding_window` is set (Mistral's convention), else every layer full."""
+    types = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None)
+    if types:
+        return [FULL if kind == "attention" else str(kind) for kind in types]
+    if not getattr(config, "num_attention_heads", None):
+        return ["recurrent"] * int(getattr(config, "num_hidden_layers", 1) or 1)
+    return [SLIDING if getattr(config, "sliding_window", None) else FULL] * int(config.num_hidden_layers)
+
+
+def check_layer_kinds(config: Any, what: str = "the target") -> None:
+    """Refuse a family whose layers are not all full or sliding-window attention, before any weights load: the
+    exact decoder verifies drafts against nothing else, so such a target could be dumped and trained on but
+    never evaluated or served through eyas. Names the layer type and the family."""
+    kinds = attention_kinds(config)
+    other = [kind for kind in kinds if kind not in (FULL, SLIDING)]
+    if other:
+        raise UnsupportedTarget(
+            f"{what} is a '{config.model_type}' model, {len(other)} of whose {len(kinds)} layers are '{other[0]}'; "
+            "eyas verifies drafts with full and sliding-window attention layers only, so it cannot evaluate or serve "
+            "a draft for a linear-attention, recurrent or hybrid family yet: use a target whose layers are all "
+            "attention (Llama, Qwen2/3, Qwen3-MoE, gpt-oss, Mistral, Gemma 3)")
+    if SLIDING in kinds and not getattr(config, "sliding_window", None):
+        raise EyasError(f"{what}: its config names sliding-window layers but sets no sliding_window; "
+                        "fix its config.json")
 
 
 def pick_device(device: str = "auto") -> Any:

@@ -102,5 +102,5 @@ def test_batched_rows_equal_the_targets_own_past_the_window_and_unknown_layer_ki
         assert _batched_all(target, prompts, new, shapes=("chain:4",)) != references * 2
     monkeypatch.setattr(target.config, "layer_types", ["linear_attention"] * target.config.num_hidden_layers,
                         raising=False)
-    with pytest.raises(EyasError, match="6 'linear_attention' layers; the eval decoder handles full and sliding"):
+    with pytest.raises(EyasError, match="6 of whose 6 layers are 'linear_attention'; eyas verifies drafts with full and sliding"):
         kv.check_attention(target)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from eyas.config import TargetConfig, load_recipe
+from eyas.config import TargetConfig, load_recipe, save_resolved
 from eyas.errors import EyasError
 from eyas.targets import load_target_config, load_tokenizer, target_identity
 
@@ -122,6 +122,56 @@ def test_prepare_refuses_a_masked_lm(tmp_path, tiny_llama_dir):
     with pytest.raises(EyasError, match=r"holds a 'bert' model, which is not a causal LM"):
         prepare(recipe)
     assert not (recipe.run_dir / "prepared" / "train").exists()
+
+
+# Families whose layers the exact decoder cannot verify, as transformers names them: Qwen3-Next (linear attention
+# between full layers, `layer_types`), Mamba (linear attention alone, no heads), RecurrentGemma (recurrent blocks,
+# `layers_block_type`), RWKV (no attention heads, no layer list).
+HYBRID = {"qwen3_next": ("Qwen3NextForCausalLM", "'linear_attention'"), "mamba": ("MambaForCausalLM", "'linear_attention'"),
+          "recurrent_gemma": ("RecurrentGemmaForCausalLM", "'recurrent'"), "rwkv": ("RwkvForCausalLM", "'recurrent'")}
+
+
+def _config_only_target(folder: Path, family: str, tokenizer_from: Path) -> Path:
+    """A target folder holding a tiny config of `family` and a tokenizer, and no weights: a stage that loaded
+    weights would fail on their absence, not on the family."""
+    from transformers import AutoConfig
+
+    folder.mkdir()
+    AutoConfig.for_model(family, vocab_size=384, hidden_size=64, num_hidden_layers=4,
+                         architectures=[HYBRID[family][0]]).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_from / name).exists():
+            shutil.copy(tokenizer_from / name, folder / name)
+    return folder
+
+
+def test_every_stage_refuses_a_linear_attention_or_recurrent_target_by_family_before_its_weights(
+        tmp_path, tiny_llama_dir, capsys):
+    from eyas.cli import main as cli
+
+    def refusal(stage: str, recipe: Path, *extra: str) -> str:
+        assert cli([stage, str(recipe), *extra]) == 2
+        return capsys.readouterr().err
+
+    # prepare and plan read nothing but the target's folder
+    for family, (_, layer) in HYBRID.items():
+        target = _config_only_target(tmp_path / family, family, tiny_llama_dir)
+        recipe = _recipe(tmp_path, target, family)
+        recipe_file = save_resolved(recipe, tmp_path / "recipes", f"{family}.yaml")
+        for stage in ("prepare", "plan"):
+            err = refusal(stage, recipe_file)
+            assert f"is a '{family}' model" in err and f"layers are {layer}" in err and "Llama" in err, (stage, err)
+        assert not (recipe.run_dir / "prepared" / "train").exists()
+    # the later stages, on a run prepared with a supported target whose recipe then names the hybrid one
+    prepared = _recipe(tmp_path, tiny_llama_dir, "switched", "data.heldout_fraction=0.25")
+    from eyas.data.prepare import prepare
+
+    prepare(prepared)
+    switched = _recipe(tmp_path, tmp_path / "qwen3_next", "switched", "data.heldout_fraction=0.25")
+    switched = save_resolved(switched, tmp_path / "recipes", "switched.yaml")
+    for stage, extra in (("dump", ()), ("train", ()), ("eval", ("--draft", "truncated:1"))):
+        err = refusal(stage, switched, *extra)
+        assert "is a 'qwen3_next' model, 3 of whose 4 layers are 'linear_attention'" in err, (stage, err)
 
 
 CUSTOM_CONFIG = '''
