@@ -665,6 +665,7 @@ PATH_KEYS: dict[str, tuple[str, ...]] = {
     "run.output_dir": (), "target.path": ("smollm2-135m-instruct",), "target.chat_template": (),
     "data.source": ("chitchat", "none"), "data.regenerate_cache": (), "eval.prompts": ("heldout",),
     "eval.checkpoint": (), "eval.drafts": ("truncated:", "mixture:"), "eval.output": (), "export.checkpoint": (),
+    "train.trust_checkpoint": (),
 }
 
 

@@ -64,7 +64,7 @@ class StoppedWithoutWorkers(BaseException):
 def running_children() -> list[int]:
     """Pids of this process's live child processes: the launcher's workers (torchrun starts each
     with Popen, in a session of its own; accelerate's single-process launcher starts one)."""
-    import psutil  # a dependency of accelerate
+    import psutil
 
     pids = []
     for child in psutil.Process().children():

@@ -183,7 +183,8 @@ def test_saved_recipe_names_the_same_files_from_another_folder(tmp_path, monkeyp
         (project / name).write_text("{}\n")
     (project / "recipe.yaml").write_text(
         "run: {name: rel, output_dir: runs}\ntarget: {path: models/tiny, chat_template: data/template.jinja}\n"
-        "data: {source: data/rows.jsonl}\neval: {prompts: data/prompts.jsonl, drafts: [ckpt/a, 'truncated:2']}\n")
+        "data: {source: data/rows.jsonl}\neval: {prompts: data/prompts.jsonl, drafts: [ckpt/a, 'truncated:2']}\n"
+        "train: {trust_checkpoint: runs/old/checkpoints/step_00000010}\n")
     monkeypatch.chdir(project)
     seen = []
     assert stage_main("prepare", ["recipe.yaml"], lambda recipe, args: seen.append(recipe)) == 0
@@ -198,6 +199,7 @@ def test_saved_recipe_names_the_same_files_from_another_folder(tmp_path, monkeyp
     assert Path(saved.target.chat_template) == project / "data" / "template.jinja"
     assert Path(saved.eval.prompts) == project / "data" / "prompts.jsonl"
     assert saved.eval.drafts == [str(project / "ckpt" / "a"), "truncated:2"]
+    assert Path(saved.train.trust_checkpoint) == project / "runs" / "old" / "checkpoints" / "step_00000010"
     # words that are not paths stay words; saving the saved copy again changes nothing
     assert load_recipe(None, ["data.source=chitchat", "eval.prompts=heldout"]).data.source == "chitchat"
     kept = absolute_paths(load_recipe(None, ["data.source=chitchat", "eval.prompts=heldout", "target.path=~/m"]))
