@@ -16,33 +16,41 @@ truncated-target draft) with sliding-window layers gets their masks too, which a
 `sliding_window` or more positions behind the query, in each row's own positions
 (`eyas.eval.kv.layer_masks`); the cache keeps every layer's full history, as one at a time.
 
-Per round and row the steps are those of `SpeculativeDecoder` (chain shapes): draw the chain
-from the draft with the row's own generator, verify with `verify_greedy` / `verify_sampled`,
-count with the same bookkeeping, so each row's `DecodeResult` means what it means one at a
-time. With the same per-row seed a row draws its random numbers in the same order as a fresh
-`SpeculativeDecoder(seed=...)` on that prompt alone, so outputs and acceptance counts agree
-with the one-at-a-time decoder up to float rounding: a batch changes matmul blocking and adds
-masked columns to each softmax, which can move a last bit (fp32: never a token in the tests;
-bf16: a near-tie can flip, as between a verify and single steps, see `eval.kv`).
+Per round and row the steps are those of `SpeculativeDecoder`: draw the row's tree from the draft with
+the row's own generator, verify with `verify_greedy` / `verify_sampled`, count with the same
+bookkeeping, so each row's `DecodeResult` means what it means one at a time. The verify runs every
+row's tree in one forward (right-padded to the largest, each node at its root's position + its depth,
+seeing its row's entries, its ancestors and itself), and each row keeps its root and accepted path
+(`RaggedCache.keep`). With the same per-row seed a row draws its random numbers in the same order as a
+fresh `SpeculativeDecoder(seed=...)` on that prompt alone, so outputs and acceptance counts agree with
+the one-at-a-time decoder up to float rounding: a batch changes matmul blocking and adds masked columns
+to each softmax, which can move a last bit (fp32: never a token in the tests; bf16: a near-tie can flip,
+as between a verify and single steps, see `eval.kv`).
 
-Batched drafts: `truncated:N` (and any token-only `LMDraft`), the shared-layer heads
-(eagle, eagle3, peagle) and dflash (each row's block in one forward). `batch_unsupported`
-names why any other draft or shape falls back to the one-at-a-time decoder (mtp: per-layer
-caches with their own frontiers; mixture: a test draft; static and dynamic trees: per-row tree
-layouts are not batched yet).
+How the rows draft:
+- `TogetherDrafts`: chain shapes with `truncated:N` (and any token-only `LMDraft`), the shared-layer heads
+  (eagle, eagle3, peagle) or dflash: every row's chain node of one depth in one draft forward (dflash:
+  every row's block in one forward), through the batched adapters below.
+- `RowDrafts`: static and dynamic trees, and mtp heads (per-layer caches with their own frontiers): each
+  row drafts with its own copy of the one-at-a-time draft, row after row, so only the verify is batched.
+  The draft's share of a round was 6-18% one at a time here (docs/results.md), so batching the target's
+  verify keeps most of the gain.
+The mixture test draft runs one prompt at a time (`batch_unsupported`).
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
 from eyas.decode import SamplingParams, cache_kwarg, new_cache, process_logits, sample, stop_token_ids
 from eyas.errors import EyasError
-from eyas.eval.decoder import DecodeResult, SpeculativeDecoder, _Clock, _count, _cut
+from eyas.eval.decoder import DecodeResult, SpeculativeDecoder, _Clock, _count, _cut, drafted_path
 from eyas.eval.drafts import LMDraft, MixtureDraft
 from eyas.eval.head_draft import BlockDraft, SharedLayerDraft, mask_slot_inputs
 from eyas.eval.kv import check_attention, layer_masks, row_invariant_attention
-from eyas.eval.tree import Shape, Tree, new_tree
+from eyas.eval.tree import Shape, Tree, build_tree, new_tree
 from eyas.eval.verify import draw_candidates, verify_greedy, verify_sampled
 
 # --------------------------------------------------------------------------------------------
@@ -79,34 +87,45 @@ class RaggedCache:
         self.start = int(counts.max()) - counts
         self.lengths = counts.clone()
 
-    def append_mask(self, n: int, counts: torch.Tensor, dtype: torch.dtype, device, config=None):
-        """Additive [B, 1, n, S + n] for n new tokens per row (the first counts_b real, causal among themselves;
-        `config`: as in `prefill_mask`)."""
+    def append_mask(self, n: int, counts: torch.Tensor, dtype: torch.dtype, device, config=None,
+                    within: torch.Tensor | None = None, depths: torch.Tensor | None = None):
+        """Additive [B, 1, n, S + n] for n new tokens per row (`config`: as in `prefill_mask`). `within` [B, n, n]
+        (bool): which new tokens each new token sees, by default causal among the first counts_b (a tree: each
+        node's ancestors and itself); `depths`: as in `append_positions`."""
         cols = torch.arange(self.width)
         old = (cols[None, :] >= self.start[:, None]) & (cols[None, :] < (self.start + self.lengths)[:, None])
-        new = torch.arange(n)
-        within = (new[None, :] <= new[:, None])[None] & (new[None, None, :] < counts[:, None, None])
+        if within is None:
+            new = torch.arange(n)
+            within = (new[None, :] <= new[:, None])[None] & (new[None, None, :] < counts[:, None, None])
         visible = torch.cat([old[:, None, :].expand(-1, n, -1), within], dim=2)
-        query = self.append_positions(n)  # [B, n]; row b's column c holds position c - start_b
+        query = self.append_positions(n, depths)  # [B, n]; row b's column c holds position c - start_b
         keys = torch.cat([cols[None, :] - self.start[:, None], query], dim=1)
         return _masks(config, visible, query[:, :, None] - keys[:, None, :], dtype, device)
 
-    def append_positions(self, n: int) -> torch.Tensor:
-        return self.lengths[:, None] + torch.arange(n)[None, :]
+    def append_positions(self, n: int, depths: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, n] positions of n new tokens per row: each row's next position + 0..n-1, or + `depths` [B, n] (a
+        tree node sits at its root's position + its depth)."""
+        return self.lengths[:, None] + (torch.arange(n)[None, :] if depths is None else depths)
 
     def settle(self, counts: torch.Tensor) -> None:
         """After a forward appended n columns at S: row b keeps its first counts_b, moved next to its entries."""
+        self.keep([list(range(int(c))) for c in counts])
+
+    def keep(self, offsets: list[list[int]]) -> None:
+        """After a forward appended columns at S: row b keeps the appended columns S + offsets_b (ascending: a
+        tree's root and accepted path), moved next to its entries; the rest are dropped."""
         width = self.width
-        rows = torch.repeat_interleave(torch.arange(len(counts)), counts)
-        offsets = torch.cat([torch.arange(int(c)) for c in counts]) if len(rows) else rows
-        src = width + offsets
-        dst = (self.start + self.lengths)[rows] + offsets
+        counts = torch.tensor([len(o) for o in offsets], dtype=torch.long)
+        rows = torch.repeat_interleave(torch.arange(len(offsets)), counts)
+        src = width + torch.tensor([o for row in offsets for o in row], dtype=torch.long)
+        ranks = torch.cat([torch.arange(int(c)) for c in counts]) if len(rows) else rows
+        dst = (self.start + self.lengths)[rows] + ranks
         for layer in self.cache.layers:
             keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
             if keys is None or keys.numel() == 0:
                 continue
             r, s, d = rows.to(keys.device), src.to(keys.device), dst.to(keys.device)
-            keys[r, :, d] = keys[r, :, s]  # the right side is gathered first: overlapping moves are safe
+            keys[r, :, d] = keys[r, :, s]  # the right side is gathered first, and d <= s: overlapping moves are safe
             values[r, :, d] = values[r, :, s]
         self.lengths = self.lengths + counts
         self._crop()
@@ -368,14 +387,15 @@ class BatchedBlockDraft:
 
 def batch_unsupported(draft, shape: Shape) -> str | None:
     """Why this draft x shape cannot run batched (None: it can)."""
-    if shape.kind != "chain":
-        return f"shape '{shape.spec}': only chain shapes are batched (per-row tree layouts are not yet)"
     if isinstance(draft, MixtureDraft):
         return f"draft '{draft.name}': the mixture test draft runs one prompt at a time"
-    if isinstance(draft, (LMDraft, SharedLayerDraft, BlockDraft)):
-        return None
-    return (f"draft '{draft.name}': only truncated/LM, eagle/eagle3/peagle and dflash drafts are batched (mtp keeps "
-            "per-layer frontiers)")
+    return None
+
+
+def drafts_together(draft, shape: Shape) -> bool:
+    """True when the draft runs every row's chain in one forward per depth (a batched adapter exists); else each
+    row drafts with its own copy of the one-at-a-time draft (`RowDrafts`) and only the verify is batched."""
+    return shape.kind == "chain" and isinstance(draft, (LMDraft, SharedLayerDraft, BlockDraft))
 
 
 def batched_draft(draft, depth: int):
@@ -386,11 +406,85 @@ def batched_draft(draft, depth: int):
 
 
 # --------------------------------------------------------------------------------------------
+# How the rows draft: start / draw (one tree per row) / commit / select
+
+
+class TogetherDrafts:
+    """Every row's chain drawn in lockstep through a batched adapter: one draft forward per depth for all rows."""
+
+    def __init__(self, draft, shape: Shape, params: SamplingParams):
+        self.adapter, self.shape, self.params = batched_draft(draft, shape.depth), shape, params
+
+    def start(self, prompts: list[list[int]], roots: list[int], features) -> torch.Tensor:
+        return self.adapter.start(prompts, roots, features)
+
+    def draw(self, roots: list[int], logits: torch.Tensor, generators: list) -> list[Tree]:
+        """One chain per row (each row's draws in the order the one-at-a-time decoder makes them)."""
+        trees = [new_tree(r) for r in roots]
+        parents = [0] * len(trees)
+        for depth in range(1, self.shape.depth + 1):
+            if self.params.greedy:  # the op `draw_candidates` makes per row, on all rows at once
+                tokens = logits.topk(1, dim=-1).indices[:, 0].tolist()
+                drawn_q = [None] * len(trees)
+            else:
+                draws = [draw_candidates(logits[i], 1, self.params, generators[i]) for i in range(len(trees))]
+                tokens, drawn_q = [d[0][0] for d in draws], [d[1] for d in draws]
+            for i, tree in enumerate(trees):
+                node = tree.add(parents[i], tokens[i])
+                tree.child_q[parents[i]] = drawn_q[i]
+                parents[i] = node
+            if depth < self.shape.depth:
+                logits = self.adapter.expand(tokens)
+                for tree, node in zip(trees, parents):
+                    tree.draft_ids[node] = depth - 1
+        return trees
+
+    def commit(self, trees: list[Tree], paths: list[list[int]], roots: list[int], features) -> torch.Tensor:
+        return self.adapter.commit([t.path_tokens(p) for t, p in zip(trees, paths)], roots, features)
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.adapter.select(rows)
+
+
+class RowDrafts:
+    """Each row drafts its own tree with its own copy of the one-at-a-time draft (trees, mtp heads): the drafts
+    run row after row, exactly as one at a time, and the rows' trees are verified together in one forward. A
+    copy shares the draft's weights; `start` gives it a state of its own."""
+
+    def __init__(self, draft, shape: Shape, params: SamplingParams, device):
+        self.draft, self.shape, self.params, self.device = draft, shape, params, device
+
+    def start(self, prompts: list[list[int]], roots: list[int], features) -> torch.Tensor:
+        """features: the target's left-padded prefill features [B, W, F] or None."""
+        self.rows, logits = [], []
+        for b, (prompt, root) in enumerate(zip(prompts, roots)):
+            row = copy.copy(self.draft)
+            if hasattr(row, "plan_depth"):
+                row.plan_depth(self.shape.depth)
+            own = features[b, features.shape[1] - len(prompt):] if features is not None else None
+            logits.append(row.start(torch.tensor(prompt, device=self.device), root, own))
+            self.rows.append(row)
+        return torch.stack(logits)
+
+    def draw(self, roots: list[int], logits: torch.Tensor, generators: list) -> list[Tree]:
+        return [build_tree(self.shape, root, logits[i], row.expand, self.params, generators[i])
+                for i, (row, root) in enumerate(zip(self.rows, roots))]
+
+    def commit(self, trees: list[Tree], paths: list[list[int]], roots: list[int], features) -> torch.Tensor:
+        return torch.stack([row.commit(drafted_path(tree, path), tree.path_tokens(path), root,
+                                       features[i] if features is not None else None)
+                            for i, (row, tree, path, root) in enumerate(zip(self.rows, trees, paths, roots))])
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.rows = [self.rows[b] for b in rows.tolist()]
+
+
+# --------------------------------------------------------------------------------------------
 # The decoder
 
 
 class BatchedDecoder:
-    """`generate(prompts, max_new_tokens, seeds)` -> one `DecodeResult` per prompt; chain shapes only."""
+    """`generate(prompts, max_new_tokens, seeds)` -> one `DecodeResult` per prompt."""
 
     def __init__(self, target, draft, shape: Shape, params: SamplingParams, eos_token_ids: list[int] | None = None):
         reason = batch_unsupported(draft, shape)
@@ -399,10 +493,11 @@ class BatchedDecoder:
         self.single = SpeculativeDecoder(target, draft, shape, params, eos_token_ids)  # the same checks
         check_attention(target)
         self.target, self.shape, self.params = target, shape, params
-        self.draft = batched_draft(draft, shape.depth)
+        self.drafts = (TogetherDrafts(draft, shape, params) if drafts_together(draft, shape)
+                       else RowDrafts(draft, shape, params, target.device))
         self.eos = set(eos_token_ids if eos_token_ids is not None else stop_token_ids(target))
         self.device = target.device
-        self.feature_layers = self.draft.feature_layers
+        self.feature_layers = getattr(draft, "feature_layers", None)
         self._cache_kw = cache_kwarg(target)
 
     def _target_forward(self, kv: RaggedCache, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
@@ -433,7 +528,7 @@ class BatchedDecoder:
     def _generate(self, prompts: list[list[int]], max_new_tokens: int, generators: list) -> list[DecodeResult]:
         clock = _Clock(self.device)
         target_forward = clock.timed("target", self._target_forward)
-        start, expand, commit = (clock.timed("draft", f) for f in (self.draft.start, self.draft.expand, self.draft.commit))
+        start, draw, commit = (clock.timed("draft", f) for f in (self.drafts.start, self.drafts.draw, self.drafts.commit))
         begin = clock.now()
         results = [DecodeResult(tokens=[]) for _ in prompts]
         kv = RaggedCache()
@@ -452,7 +547,7 @@ class BatchedDecoder:
             roots = [roots[b] for b in live]
             root_logits = root_logits[live]
         while live:
-            trees = self._draft_chains(roots, root_logits, [generators[b] for b in live], expand)
+            trees = draw(roots, root_logits, [generators[b] for b in live])
             paths, bonuses, features = self._verify(kv, trees, [generators[b] for b in live], target_forward)
             accepted = []
             for b, tree, path, bonus in zip(live, trees, paths, bonuses):
@@ -467,8 +562,8 @@ class BatchedDecoder:
                 self._select(kv, going)
             live = [live[i] for i in going]
             roots = [bonuses[i] for i in going]
-            row_features = [features[i][: 1 + len(paths[i])] for i in going] if features is not None else None
-            root_logits = commit([accepted[i] for i in going], roots, row_features)
+            row_features = [features[i][[0] + paths[i]] for i in going] if features is not None else None
+            root_logits = commit([trees[i] for i in going], [paths[i] for i in going], roots, row_features)
         total = clock.now() - begin
         share = 1.0 / len(prompts)  # the batch's time, split evenly: per-row sums give the batch's wall time
         for result in results:
@@ -480,45 +575,31 @@ class BatchedDecoder:
     def _select(self, kv: RaggedCache, keep: list[int]) -> None:
         rows = torch.tensor(keep, dtype=torch.long)
         kv.select(rows)
-        self.draft.select(rows)
-
-    def _draft_chains(self, roots: list[int], logits: torch.Tensor, generators: list, expand) -> list[Tree]:
-        """One chain per row, drawn in lockstep (each row's draws in the order the one-at-a-time decoder makes them)."""
-        trees = [new_tree(r) for r in roots]
-        parents = [0] * len(trees)
-        for depth in range(1, self.shape.depth + 1):
-            if self.params.greedy:  # the op `draw_candidates` makes per row, on all rows at once
-                tokens = logits.topk(1, dim=-1).indices[:, 0].tolist()
-                drawn_q = [None] * len(trees)
-            else:
-                draws = [draw_candidates(logits[i], 1, self.params, generators[i]) for i in range(len(trees))]
-                tokens, drawn_q = [d[0][0] for d in draws], [d[1] for d in draws]
-            for i, tree in enumerate(trees):
-                node = tree.add(parents[i], tokens[i])
-                tree.child_q[parents[i]] = drawn_q[i]
-                parents[i] = node
-            if depth < self.shape.depth:
-                logits = expand(tokens)
-                for tree, node in zip(trees, parents):
-                    tree.draft_ids[node] = depth - 1
-        return trees
+        self.drafts.select(rows)
 
     def _verify(self, kv: RaggedCache, trees: list[Tree], generators: list, target_forward):
-        """All rows' [root, chain] in one forward; each row keeps root + its accepted prefix."""
-        n = self.shape.depth + 1
-        counts = torch.full((len(trees),), n, dtype=torch.long)
-        ids = torch.tensor([t.tokens for t in trees], dtype=torch.long)
-        mask = kv.append_mask(n, counts, self.target.dtype, self.device, self.target.config)
-        logits, features = target_forward(kv, ids, kv.append_positions(n), mask)
+        """All rows' trees in one forward (right-padded to the largest; each node sees its row's entries, its
+        ancestors and itself, at its root's position + its depth); each row keeps its root and accepted path."""
+        sizes = [len(t) for t in trees]
+        n = max(sizes)
+        ids = torch.tensor([t.tokens + [t.tokens[-1]] * (n - len(t)) for t in trees], dtype=torch.long)
+        within = torch.zeros(len(trees), n, n, dtype=torch.bool)
+        depths = torch.zeros(len(trees), n, dtype=torch.long)
+        for i, tree in enumerate(trees):
+            within[i, :sizes[i], :sizes[i]] = tree.ancestor_mask()
+            depths[i, :sizes[i]] = torch.tensor(tree.depths)
+        mask = kv.append_mask(n, torch.tensor(sizes), self.target.dtype, self.device, self.target.config,
+                              within=within, depths=depths)
+        logits, features = target_forward(kv, ids, kv.append_positions(n, depths), mask)
         paths, bonuses = [], []
         greedy = logits.argmax(-1).tolist() if self.params.greedy else None
         for i, tree in enumerate(trees):
             if greedy is not None:
                 path, bonus = verify_greedy(tree.children, tree.tokens, greedy[i])
             else:
-                probs = process_logits(logits[i], self.params)
+                probs = process_logits(logits[i, :sizes[i]], self.params)
                 path, bonus = verify_sampled(tree.children, tree.tokens, probs, tree.child_q, generators[i])
             paths.append(path)
             bonuses.append(bonus)
-        kv.settle(torch.tensor([1 + len(p) for p in paths], dtype=torch.long))
+        kv.keep([[0] + p for p in paths])
         return paths, bonuses, (list(features) if features is not None else None)

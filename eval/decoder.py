@@ -186,13 +186,19 @@ class SpeculativeDecoder:
             path, bonus = verify_sampled(tree.children, tree.tokens, probs, tree.child_q, self.generator)
         keep_positions(cache, prefix, [0] + path)  # root + accepted path; rejected branches dropped
         _count(result, tree, path)
-        kept = []
-        for node in path:  # the draft ran a prefix of the path (a leaf it never expanded ends it)
-            if tree.draft_ids[node] < 0:
-                break
-            kept.append(tree.draft_ids[node])
         commit_features = features[[0] + path] if features is not None else None
-        return kept, tree.path_tokens(path), bonus, commit_features
+        return drafted_path(tree, path), tree.path_tokens(path), bonus, commit_features
+
+
+def drafted_path(tree, path: list[int]) -> list[int]:
+    """The draft's ids of the accepted nodes it ran forward: a prefix of the path (a leaf it never expanded ends
+    it), the entries its `commit` keeps."""
+    kept = []
+    for node in path:
+        if tree.draft_ids[node] < 0:
+            break
+        kept.append(tree.draft_ids[node])
+    return kept
 
 
 def _count(result: DecodeResult, tree, path: list[int]) -> None:

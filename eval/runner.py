@@ -8,8 +8,8 @@ At T=0 every speculative output is also compared with the target's own greedy ou
 With `batch_size` > 1 the prompts go in batches of that many (in the given order): the target
 alone decodes a batch with `plain_decode` (left-padded, finished rows leave), and each
 configuration decodes it with `eyas.eval.batched.BatchedDecoder` (one target forward verifies
-every row); a draft or shape that is not batched decodes the batch one prompt at a time, and
-its summary says why (`batch_note`). A batch's seconds are split evenly over its rows, so
+every row; trees and mtp heads draft each row with its own copy of the draft); the mixture test
+draft decodes the batch one prompt at a time, and its summary says why (`batch_note`). A batch's seconds are split evenly over its rows, so
 tokens/s, prompts/s and the speedup are the batch's throughput; at batch 1 they are the
 latency figures of one prompt at a time.
 """

@@ -288,9 +288,9 @@ class EvalConfig:
     top_k: int = _doc("Top-k sampling, applied to target and draft alike (0: off).", 0)
     baseline: bool = _doc("Also time the target alone for the speedup column.", True)
     batch_size: int = _doc(
-        "Prompts decoded at once (chain shapes with truncated, eagle, eagle3, peagle or dflash drafts; others one at a time). 1: "
-        "latency figures, one prompt at a time; more: throughput of a prompt set, speedup over the target alone "
-        "batched the same way.", 1)
+        "Prompts decoded at once: one target forward verifies every row's chain or tree (trees and mtp heads draft "
+        "row by row). 1: latency figures, one prompt at a time; more: throughput of a prompt set, speedup over the "
+        "target alone batched the same way.", 1)
     checkpoint: str = _doc("Draft checkpoint (empty: the run's best checkpoint).", "")
     drafts: list = _doc(
         "Drafts compared: checkpoint directories, `truncated:N` (the target's first N layers) or `mixture:LAM` "

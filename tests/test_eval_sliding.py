@@ -72,8 +72,10 @@ def test_greedy_output_equals_the_targets_own_past_the_window(target, monkeypatc
     assert _decode_all(target, cases, SHAPES[:1], truncated=False) != references
 
 
-def _batched_all(target, prompts: list[list[int]], new: int, shapes=("chain:4", "chain:1")) -> list[list[int]]:
-    """The prompts decoded as one batch (ragged rows), with the copy and the one-layer drafts, in each chain shape."""
+def _batched_all(target, prompts: list[list[int]], new: int,
+                 shapes=("chain:4", "chain:1", "dynamic:depth=3,topk=2,nodes=5")) -> list[list[int]]:
+    """The prompts decoded as one batch (ragged rows), with the copy and the one-layer drafts, in each shape (a
+    dynamic tree's nodes at their root's position + depth, in every row's own positions)."""
     eos = stop_token_ids(target)
     outputs = []
     for draft in (LMDraft(truncated_target(target, target.config.num_hidden_layers), "copy"),
@@ -92,7 +94,7 @@ def test_batched_rows_equal_the_targets_own_past_the_window_and_unknown_layer_ki
     references = [target_generate(target, prompt, new, GREEDY, eos) for prompt in prompts]
     draft = LMDraft(truncated_target(target, 1), "truncated:1")
     assert batch_unsupported(draft, parse_shape("chain:2")) is None
-    assert _batched_all(target, prompts, new) == references * 4
+    assert _batched_all(target, prompts, new) == references * 6
     items = [EncodedPrompt(Prompt(f"p{i}", "any", []), ids) for i, ids in enumerate(prompts[:2])]
     report = evaluate(target, None, [draft], [parse_shape("chain:3")], items, GREEDY, 16, progress=False, batch_size=2)
     config = report["configs"][0]
