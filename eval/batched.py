@@ -28,13 +28,14 @@ to each softmax, which can move a last bit (fp32: never a token in the tests; bf
 as between a verify and single steps, see `eval.kv`).
 
 How the rows draft:
-- `TogetherDrafts`: chain shapes with `truncated:N` (and any token-only `LMDraft`), the shared-layer heads
-  (eagle, eagle3, peagle) or dflash: every row's chain node of one depth in one draft forward (dflash:
-  every row's block in one forward), through the batched adapters below.
-- `RowDrafts`: static and dynamic trees, and mtp heads (per-layer caches with their own frontiers): each
-  row drafts with its own copy of the one-at-a-time draft, row after row, so only the verify is batched.
-  The draft's share of a round was 6-18% one at a time here (docs/results.md), so batching the target's
-  verify keeps most of the gain.
+- `TogetherDrafts`: token drafts (`LMDraft`, e.g. truncated:N), the shared-layer heads (eagle, eagle3,
+  peagle) and dflash build every row's tree in lockstep: each row's builder (`eyas.eval.tree.tree_steps`)
+  asks for its nodes of one depth, and every row's nodes of that depth run in ONE draft forward, each
+  seeing its row's committed entries, its ancestors and itself (`TreeNodes`); peagle's mask slots and
+  dflash's block run once per round for every row. A draft forward of a few tokens per row costs about
+  what one row's does on a CPU, so a round's draft cost no longer grows with the batch.
+- `RowDrafts`: mtp heads (per-layer caches with their own frontiers): each row drafts with its own copy
+  of the one-at-a-time draft, row after row, so only the verify is batched.
 The mixture test draft runs one prompt at a time (`batch_unsupported`).
 """
 
@@ -50,8 +51,8 @@ from eyas.eval.decoder import DecodeResult, SpeculativeDecoder, _Clock, _count, 
 from eyas.eval.drafts import LMDraft, MixtureDraft
 from eyas.eval.head_draft import BlockDraft, SharedLayerDraft, mask_slot_inputs
 from eyas.eval.kv import check_attention, layer_masks, row_invariant_attention
-from eyas.eval.tree import Shape, Tree, build_tree, new_tree
-from eyas.eval.verify import draw_candidates, verify_greedy, verify_sampled
+from eyas.eval.tree import Expansion, Shape, Tree, build_tree, tree_steps
+from eyas.eval.verify import verify_greedy, verify_sampled
 
 # --------------------------------------------------------------------------------------------
 # The ragged cache
@@ -88,18 +89,24 @@ class RaggedCache:
         self.lengths = counts.clone()
 
     def append_mask(self, n: int, counts: torch.Tensor, dtype: torch.dtype, device, config=None,
-                    within: torch.Tensor | None = None, depths: torch.Tensor | None = None):
+                    within: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                    history: torch.Tensor | None = None):
         """Additive [B, 1, n, S + n] for n new tokens per row (`config`: as in `prefill_mask`). `within` [B, n, n]
         (bool): which new tokens each new token sees, by default causal among the first counts_b (a tree: each
-        node's ancestors and itself); `depths`: as in `append_positions`."""
+        node's ancestors and itself); `positions` [B, n]: theirs, by default `append_positions(n)`; `history`
+        [B, n, L] (bool): which of its row's entries (0..len_b-1) each new token sees, by default all."""
         cols = torch.arange(self.width)
-        old = (cols[None, :] >= self.start[:, None]) & (cols[None, :] < (self.start + self.lengths)[:, None])
+        own = cols[None, :] - self.start[:, None]  # [B, S]: the index of column c among row b's entries
+        old = ((own >= 0) & (own < self.lengths[:, None]))[:, None, :].expand(-1, n, -1)
+        if history is not None:
+            index = own.clamp(0, history.shape[2] - 1)[:, None, :].expand(-1, n, -1)
+            old = old & torch.gather(history, 2, index)
         if within is None:
             new = torch.arange(n)
             within = (new[None, :] <= new[:, None])[None] & (new[None, None, :] < counts[:, None, None])
-        visible = torch.cat([old[:, None, :].expand(-1, n, -1), within], dim=2)
-        query = self.append_positions(n, depths)  # [B, n]; row b's column c holds position c - start_b
-        keys = torch.cat([cols[None, :] - self.start[:, None], query], dim=1)
+        visible = torch.cat([old, within], dim=2)
+        query = self.append_positions(n) if positions is None else positions  # row b's column c: position c - start_b
+        keys = torch.cat([own, query], dim=1)
         return _masks(config, visible, query[:, :, None] - keys[:, None, :], dtype, device)
 
     def append_positions(self, n: int, depths: torch.Tensor | None = None) -> torch.Tensor:
@@ -115,11 +122,22 @@ class RaggedCache:
         """After a forward appended columns at S: row b keeps the appended columns S + offsets_b (ascending: a
         tree's root and accepted path), moved next to its entries; the rest are dropped."""
         width = self.width
+        self._move(offsets, torch.full_like(self.start, width), self.start + self.lengths)
+
+    def compact(self, first: torch.Tensor, offsets: list[list[int]]) -> None:
+        """Row b keeps its first `first_b` entries and then its entries first_b + offsets_b (ascending: the
+        accepted tree nodes a draft ran); the rest are dropped."""
+        self.lengths = first.clone()
+        self._move(offsets, self.start + first, self.start + first)
+
+    def _move(self, offsets: list[list[int]], source: torch.Tensor, target: torch.Tensor) -> None:
+        """Row b's columns source_b + offsets_b move to target_b, target_b + 1, ... (target_b <= source_b),
+        its entries grow by len(offsets_b), and columns no row uses are cropped."""
         counts = torch.tensor([len(o) for o in offsets], dtype=torch.long)
         rows = torch.repeat_interleave(torch.arange(len(offsets)), counts)
-        src = width + torch.tensor([o for row in offsets for o in row], dtype=torch.long)
+        src = source[rows] + torch.tensor([o for row in offsets for o in row], dtype=torch.long)
         ranks = torch.cat([torch.arange(int(c)) for c in counts]) if len(rows) else rows
-        dst = (self.start + self.lengths)[rows] + ranks
+        dst = target[rows] + ranks
         for layer in self.cache.layers:
             keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
             if keys is None or keys.numel() == 0:
@@ -190,11 +208,64 @@ def _pick(x: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------
-# Batched drafts: start / expand (one chain node per row) / commit (ragged) / select
+# Batched drafts: start / expand (every row's tree nodes of one depth) / commit (ragged) / select
+
+Requests = list[Expansion | None]
+"""One lockstep step: per row, the expansion its tree builder asks for (`eyas.eval.tree.tree_steps`), or None."""
+
+
+class TreeNodes:
+    """Each row's draft tree this round, by the draft's node id (0, 1, ... from the last start or commit, as one
+    at a time): every node's bitset of itself and its ancestors, and its depth."""
+
+    def __init__(self, rows: int):
+        self.bits: list[list[int]] = [[] for _ in range(rows)]
+        self.depths: list[list[int]] = [[] for _ in range(rows)]
+
+    def add(self, requests: Requests) -> int:
+        """Number the requested nodes; returns their depth (in lockstep every request is one depth deep)."""
+        depths = set()
+        for bits, row_depths, request in zip(self.bits, self.depths, requests):
+            for parent in request[0] if request else ():
+                bits.append((1 << len(bits)) | (bits[parent] if parent >= 0 else 0))
+                row_depths.append(row_depths[parent] + 1 if parent >= 0 else 1)
+                depths.add(row_depths[-1])
+        if len(depths) != 1:
+            raise EyasError(f"batched drafting expands one depth at a time; the rows asked for depths {sorted(depths)}")
+        return depths.pop()
+
+    def inputs(self, requests: Requests, committed: torch.Tensor, depth: int):
+        """The new nodes as a right-padded batch: (ids [B, n], counts [B], positions [B, n], within [B, n, n],
+        history [B, n, L]). Row b's cache holds its committed_b entries, then its earlier nodes by id; a node
+        sits at its root's position + its depth (the root is entry committed_b - 1) and sees the committed
+        entries, its ancestors and itself (padding: the committed entries and itself)."""
+        counts = torch.tensor([len(r[1]) if r else 0 for r in requests], dtype=torch.long)
+        n = max(int(counts.max()), 1)
+        ids = torch.zeros(len(requests), n, dtype=torch.long)
+        history = torch.zeros(len(requests), n, int((committed + torch.tensor([len(b) for b in self.bits])).max()),
+                              dtype=torch.bool)
+        for b, request in enumerate(requests):
+            history[b, :, :int(committed[b])] = True
+            if not request:
+                continue
+            ids[b, :len(request[1])] = torch.tensor(request[1])
+            first = len(self.bits[b]) - len(request[1])
+            for j, bits in enumerate(self.bits[b][first:]):
+                history[b, j, int(committed[b]) + torch.tensor([i for i in range(first) if bits >> i & 1],
+                                                               dtype=torch.long)] = True
+        positions = (committed - 1 + depth)[:, None].expand(-1, n)
+        within = torch.eye(n, dtype=torch.bool)[None].expand(len(requests), -1, -1)
+        return ids, counts, positions, within, history
+
+
+def _rows(logits: torch.Tensor, counts: torch.Tensor) -> list[torch.Tensor | None]:
+    """Per row, the logits of its first counts_b new nodes (None for a row without any)."""
+    return [logits[b, :c] if c else None for b, c in enumerate(counts.tolist())]
 
 
 class BatchedLMDraft:
-    """A token-only draft (`LMDraft`, e.g. truncated:N) over a `RaggedCache`."""
+    """A token-only draft (`LMDraft`, e.g. truncated:N) over a `RaggedCache`. As one at a time, tree nodes run with
+    their tree mask (no sliding window: `LMDraft.expand`'s mask) and the accepted nodes it ran keep their entries."""
 
     feature_layers = None
     max_depth = None
@@ -217,40 +288,41 @@ class BatchedLMDraft:
         logits = self._forward(ids, self.kv.prefill_positions(counts),
                                self.kv.prefill_mask(counts, self.model.dtype, self.model.device, self.model.config))
         self.kv.after_prefill(counts)
-        self.nodes = 0
+        self.committed, self.nodes = counts.clone(), TreeNodes(len(roots))
         return logits[:, -1]
 
-    def _append(self, rows: list[list[int]]) -> torch.Tensor:
-        ids, counts = _right_padded(rows)
+    def expand(self, requests: Requests) -> list[torch.Tensor | None]:
+        depth = self.nodes.add(requests)
+        ids, counts, positions, within, history = self.nodes.inputs(requests, self.committed, depth)
+        mask = self.kv.append_mask(ids.shape[1], counts, self.model.dtype, self.model.device, within=within,
+                                   positions=positions, history=history)
+        logits = self._forward(ids, positions, mask)
+        self.kv.settle(counts)
+        return _rows(logits, counts)
+
+    def commit(self, kept: list[list[int]], accepted: list[list[int]], roots: list[int], features=None):
+        self.kv.compact(self.committed, kept)
+        ids, counts = _right_padded([a[len(k):] + [r] for a, k, r in zip(accepted, kept, roots)])
         n = ids.shape[1]
         logits = self._forward(ids, self.kv.append_positions(n),
                                self.kv.append_mask(n, counts, self.model.dtype, self.model.device, self.model.config))
         self.kv.settle(counts)
+        self.committed, self.nodes = self.kv.lengths.clone(), TreeNodes(len(roots))
         return _pick(logits, counts - 1)
-
-    def expand(self, tokens: list[int]) -> torch.Tensor:
-        self.nodes += 1
-        return self._append([[t] for t in tokens])
-
-    def commit(self, accepted: list[list[int]], roots: list[int], features=None) -> torch.Tensor:
-        # the draft ran the first `nodes` chain nodes: those on the accepted path keep their KV
-        kept = torch.tensor([min(len(a), self.nodes) for a in accepted], dtype=torch.long)
-        self.kv.truncate(self.kv.lengths - self.nodes + kept)
-        self.nodes = 0
-        return self._append([a[k:] + [r] for a, k, r in zip(accepted, kept.tolist(), roots)])
 
     def select(self, rows: torch.Tensor) -> None:
         self.kv.select(rows)
+        self.committed = self.committed[rows]
 
 
 class BatchedSharedLayerDraft:
     """eagle / eagle3 / peagle (`SharedLayerDraft`) over a `RaggedCache`: slot t holds (f_t, x_{t+1}) at position
-    t; a chain node at depth d is step d with its parent's hidden, attending to the committed slots and its
-    ancestors. A parallel drafter's mask slots for depths 1..depth-1 run in one forward at depth 1."""
+    t; a tree node at depth d is step d with its parent's hidden, attending to the committed slots, its ancestors
+    and itself. A parallel drafter's mask slots for depths 1..depth-1 run in one forward at depth 1."""
 
     def __init__(self, draft: SharedLayerDraft, depth: int):
         self.draft = draft
-        self.slots = depth - 1  # a chain `depth` deep expands its nodes at depths 1..depth-1
+        self.slots = depth - 1  # a tree `depth` deep expands its nodes at depths 1..depth-1
         self.head = draft.head
         self.name = draft.name
         self.vocab_size = draft.vocab_size
@@ -270,54 +342,67 @@ class BatchedSharedLayerDraft:
         hidden, logits = self._step(0, ids, self.draft._project(features), self.kv.prefill_positions(counts),
                                     self.kv.prefill_mask(counts, self.dtype, self.device))
         self.kv.after_prefill(counts)
-        self.committed = counts.clone()
-        self.depth = 0
-        self.parent_hidden = hidden[:, -1]
+        self._committed(hidden[:, -1])
         return self.draft._to_target(logits[:, -1])
 
-    def _append(self, k: int, rows: list[list[int]], features: torch.Tensor) -> torch.Tensor:
-        ids, counts = _right_padded(rows)
-        n = ids.shape[1]
-        hidden, logits = self._step(k, ids, features, self.kv.append_positions(n),
-                                    self.kv.append_mask(n, counts, self.dtype, self.device))
-        self.kv.settle(counts)
-        self.parent_hidden = _pick(hidden, counts - 1)
-        return self.draft._to_target(_pick(logits, counts - 1))
+    def _committed(self, root_hidden: torch.Tensor) -> None:
+        self.committed, self.root_hidden = self.kv.lengths.clone(), root_hidden
+        self.nodes, self.hidden = TreeNodes(len(root_hidden)), [[] for _ in range(len(root_hidden))]
+        self.slot_logits = None
 
-    def expand(self, tokens: list[int]) -> torch.Tensor:
-        self.depth += 1
+    def expand(self, requests: Requests) -> list[torch.Tensor | None]:
+        depth = self.nodes.add(requests)
         if self.head.parallel_drafting:
-            return self._mask_slots(len(tokens))
-        ids, feature = torch.tensor(tokens, device=self.device)[:, None], self.parent_hidden[:, None]
-        return self._append(self.depth, ids.tolist(), feature)
+            return self._mask_slots(requests, depth)
+        ids, counts, positions, within, history = self.nodes.inputs(requests, self.committed, depth)
+        hidden, logits = self._step(depth, ids, self._parent_hidden(requests, ids.shape[1]), positions,
+                                    self.kv.append_mask(ids.shape[1], counts, self.dtype, self.device, within=within,
+                                                        positions=positions, history=history))
+        self.kv.settle(counts)
+        for b, c in enumerate(counts.tolist()):
+            self.hidden[b] += list(hidden[b, :c])
+        return [self.draft._to_target(x) if x is not None else None for x in _rows(logits, counts)]
 
-    def _mask_slots(self, rows: int) -> torch.Tensor:
-        """Every row's depth-d mask slot logits; at depth 1, every depth's slots in one forward (`SharedLayerDraft`)."""
-        if self.depth == 1:
+    def _parent_hidden(self, requests: Requests, n: int) -> torch.Tensor:
+        """[B, n, H]: each new node's parent's hidden (the root's for its children, and for padding)."""
+        rows = []
+        for b, request in enumerate(requests):
+            own = [self.hidden[b][p] if p >= 0 else self.root_hidden[b] for p in (request[0] if request else [])]
+            rows.append(torch.stack(own + [self.root_hidden[b]] * (n - len(own))))
+        return torch.stack(rows)
+
+    def _mask_slots(self, requests: Requests, depth: int) -> list[torch.Tensor | None]:
+        """Every depth-d node of a row has its row's depth-d mask slot logits; at depth 1 every depth's slots run
+        in one forward (`SharedLayerDraft`)."""
+        if self.slot_logits is None:
             n = max(self.slots, 1)
-            ids, feature = mask_slot_inputs(self.head, self.parent_hidden, n)
+            rows = len(requests)
+            ids, feature = mask_slot_inputs(self.head, self.root_hidden, n)
             counts = torch.full((rows,), n, dtype=torch.long)
             _, logits = self._step(1, ids, feature, self.kv.append_positions(n),
                                    self.kv.append_mask(n, counts, self.dtype, self.device))
             self.kv.settle(counts)
             self.slot_logits = logits
-        return self.draft._to_target(self.slot_logits[:, self.depth - 1])
+        slot = self.draft._to_target(self.slot_logits[:, depth - 1])
+        return [slot[b, None].expand(len(r[0]), -1) if r else None for b, r in enumerate(requests)]
 
-    def commit(self, accepted: list[list[int]], roots: list[int], features: list[torch.Tensor]) -> torch.Tensor:
+    def commit(self, kept: list[list[int]], accepted: list[list[int]], roots: list[int],
+               features: list[torch.Tensor]) -> torch.Tensor:
         # tree entries were made from draft features: drop them, recompute the accepted pairs as step 0
         self.kv.truncate(self.committed)
-        self.depth = 0
-        rows = [a + [r] for a, r in zip(accepted, roots)]
-        width = max(len(r) for r in rows)
-        padded = torch.stack([torch.cat([f, f[-1:].expand(width - len(f), -1)]) for f in features])
-        out = self._append(0, rows, self.draft._project(padded))
-        self.committed = self.kv.lengths.clone()
-        return out
+        ids, counts = _right_padded([a + [r] for a, r in zip(accepted, roots)])
+        n = ids.shape[1]
+        padded = torch.stack([torch.cat([f, f[-1:].expand(n - len(f), -1)]) for f in features])
+        hidden, logits = self._step(0, ids, self.draft._project(padded), self.kv.append_positions(n),
+                                    self.kv.append_mask(n, counts, self.dtype, self.device))
+        self.kv.settle(counts)
+        self._committed(_pick(hidden, counts - 1))
+        return self.draft._to_target(_pick(logits, counts - 1))
 
     def select(self, rows: torch.Tensor) -> None:
         self.kv.select(rows)
         self.committed = self.committed[rows]
-        self.parent_hidden = self.parent_hidden[rows.to(self.parent_hidden.device)]
+        self.root_hidden = self.root_hidden[rows.to(self.root_hidden.device)]
 
 
 class BatchedBlockDraft:
@@ -325,7 +410,7 @@ class BatchedBlockDraft:
     target's features of its committed tokens, at their positions). A round's blocks, one per row, run in
     ONE forward as the blocks of one sequence whose context is every row's, each block seeing only its own
     row's columns (`DFlashHead.block_logits` takes a visibility row per block); slot d of row b's block gives
-    row b's depth-d logits, as `BlockDraft` gives them one row at a time."""
+    the logits of row b's depth-d nodes, as `BlockDraft` gives them one row at a time."""
 
     def __init__(self, draft: BlockDraft):
         self.draft = draft
@@ -348,14 +433,16 @@ class BatchedBlockDraft:
         self.positions = [len(p) for p in prompts]  # each row's root position
         return self._blocks(roots)
 
-    def expand(self, tokens: list[int]) -> torch.Tensor:
-        self.depth += 1
-        if self.depth >= self.max_depth:
+    def expand(self, requests: Requests) -> list[torch.Tensor | None]:
+        depth = self.nodes.add(requests)
+        if depth >= self.max_depth:
             raise EyasError(f"the dflash draft has {self.max_depth} mask slots: shapes deeper than "
                             f"{self.max_depth} cannot be drafted with it")
-        return self.draft._to_target(self.slots[:, self.depth])
+        slot = self.draft._to_target(self.slots[:, depth])
+        return [slot[b, None].expand(len(r[0]), -1) if r else None for b, r in enumerate(requests)]
 
-    def commit(self, accepted: list[list[int]], roots: list[int], features: list[torch.Tensor]) -> torch.Tensor:
+    def commit(self, kept: list[list[int]], accepted: list[list[int]], roots: list[int],
+               features: list[torch.Tensor]) -> torch.Tensor:
         """features[b]: row b's target features at its old root and accepted tokens, added to its context."""
         for b, row in enumerate(features):
             added = self._context(row, self.positions[b])
@@ -375,7 +462,7 @@ class BatchedBlockDraft:
         logits = self.head.block_logits(torch.tensor([roots], device=self.device),
                                         torch.tensor(self.positions, device=self.device), context,
                                         visible.to(self.device), self.max_depth)
-        self.slots, self.depth = logits[0], 0  # [B, slots, V]
+        self.slots, self.nodes = logits[0], TreeNodes(len(roots))  # [B, slots, V]
         return self.draft._to_target(self.slots[:, 0])
 
     def select(self, rows: torch.Tensor) -> None:
@@ -392,14 +479,14 @@ def batch_unsupported(draft, shape: Shape) -> str | None:
     return None
 
 
-def drafts_together(draft, shape: Shape) -> bool:
-    """True when the draft runs every row's chain in one forward per depth (a batched adapter exists); else each
-    row drafts with its own copy of the one-at-a-time draft (`RowDrafts`) and only the verify is batched."""
-    return shape.kind == "chain" and isinstance(draft, (LMDraft, SharedLayerDraft, BlockDraft))
+def drafts_together(draft) -> bool:
+    """True when the rows draft in lockstep, each depth's nodes of every row in one draft forward (a batched adapter
+    exists); else each row drafts with its own copy of the one-at-a-time draft (`RowDrafts`)."""
+    return isinstance(draft, (LMDraft, SharedLayerDraft, BlockDraft))
 
 
 def batched_draft(draft, depth: int):
-    """The batched adapter of `draft` for chains `depth` deep."""
+    """The batched adapter of `draft` for trees `depth` deep."""
     if isinstance(draft, SharedLayerDraft):
         return BatchedSharedLayerDraft(draft, depth)
     return BatchedBlockDraft(draft) if isinstance(draft, BlockDraft) else BatchedLMDraft(draft)
@@ -410,7 +497,8 @@ def batched_draft(draft, depth: int):
 
 
 class TogetherDrafts:
-    """Every row's chain drawn in lockstep through a batched adapter: one draft forward per depth for all rows."""
+    """Every row's tree built in lockstep through a batched adapter: each depth's expansions of every row in one
+    draft forward, each row's builder (`tree_steps`) drawing as one at a time with the row's generator."""
 
     def __init__(self, draft, shape: Shape, params: SamplingParams):
         self.adapter, self.shape, self.params = batched_draft(draft, shape.depth), shape, params
@@ -419,37 +507,34 @@ class TogetherDrafts:
         return self.adapter.start(prompts, roots, features)
 
     def draw(self, roots: list[int], logits: torch.Tensor, generators: list) -> list[Tree]:
-        """One chain per row (each row's draws in the order the one-at-a-time decoder makes them)."""
-        trees = [new_tree(r) for r in roots]
-        parents = [0] * len(trees)
-        for depth in range(1, self.shape.depth + 1):
-            if self.params.greedy:  # the op `draw_candidates` makes per row, on all rows at once
-                tokens = logits.topk(1, dim=-1).indices[:, 0].tolist()
-                drawn_q = [None] * len(trees)
-            else:
-                draws = [draw_candidates(logits[i], 1, self.params, generators[i]) for i in range(len(trees))]
-                tokens, drawn_q = [d[0][0] for d in draws], [d[1] for d in draws]
-            for i, tree in enumerate(trees):
-                node = tree.add(parents[i], tokens[i])
-                tree.child_q[parents[i]] = drawn_q[i]
-                parents[i] = node
-            if depth < self.shape.depth:
-                logits = self.adapter.expand(tokens)
-                for tree, node in zip(trees, parents):
-                    tree.draft_ids[node] = depth - 1
-        return trees
+        steps = [tree_steps(self.shape, r, logits[i], self.params, generators[i]) for i, r in enumerate(roots)]
+        trees: list[Tree | None] = [None] * len(steps)
+        answers: list[torch.Tensor | None] = [None] * len(steps)
+        while True:
+            requests: Requests = [None] * len(steps)
+            for i, row in enumerate(steps):
+                if trees[i] is None:
+                    try:
+                        requests[i] = row.send(answers[i])
+                    except StopIteration as built:
+                        trees[i] = built.value
+            if all(r is None for r in requests):
+                return trees
+            answers = self.adapter.expand(requests)
 
     def commit(self, trees: list[Tree], paths: list[list[int]], roots: list[int], features) -> torch.Tensor:
-        return self.adapter.commit([t.path_tokens(p) for t, p in zip(trees, paths)], roots, features)
+        return self.adapter.commit([drafted_path(t, p) for t, p in zip(trees, paths)],
+                                   [t.path_tokens(p) for t, p in zip(trees, paths)], roots, features)
 
     def select(self, rows: torch.Tensor) -> None:
         self.adapter.select(rows)
 
 
 class RowDrafts:
-    """Each row drafts its own tree with its own copy of the one-at-a-time draft (trees, mtp heads): the drafts
-    run row after row, exactly as one at a time, and the rows' trees are verified together in one forward. A
-    copy shares the draft's weights; `start` gives it a state of its own."""
+    """Each row drafts its own tree with its own copy of the one-at-a-time draft (mtp heads, whose layers keep
+    caches with frontiers of their own): the drafts run row after row, exactly as one at a time, and the rows'
+    trees are verified together in one forward. A copy shares the draft's weights; `start` gives it a state of
+    its own."""
 
     def __init__(self, draft, shape: Shape, params: SamplingParams, device):
         self.draft, self.shape, self.params, self.device = draft, shape, params, device
@@ -493,7 +578,7 @@ class BatchedDecoder:
         self.single = SpeculativeDecoder(target, draft, shape, params, eos_token_ids)  # the same checks
         check_attention(target)
         self.target, self.shape, self.params = target, shape, params
-        self.drafts = (TogetherDrafts(draft, shape, params) if drafts_together(draft, shape)
+        self.drafts = (TogetherDrafts(draft, shape, params) if drafts_together(draft)
                        else RowDrafts(draft, shape, params, target.device))
         self.eos = set(eos_token_ids if eos_token_ids is not None else stop_token_ids(target))
         self.device = target.device
@@ -588,9 +673,10 @@ class BatchedDecoder:
         for i, tree in enumerate(trees):
             within[i, :sizes[i], :sizes[i]] = tree.ancestor_mask()
             depths[i, :sizes[i]] = torch.tensor(tree.depths)
+        positions = kv.append_positions(n, depths)
         mask = kv.append_mask(n, torch.tensor(sizes), self.target.dtype, self.device, self.target.config,
-                              within=within, depths=depths)
-        logits, features = target_forward(kv, ids, kv.append_positions(n, depths), mask)
+                              within=within, positions=positions)
+        logits, features = target_forward(kv, ids, positions, mask)
         paths, bonuses = [], []
         greedy = logits.argmax(-1).tolist() if self.params.greedy else None
         for i, tree in enumerate(trees):

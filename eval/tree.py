@@ -17,7 +17,7 @@ before its children, so `tokens` is exactly the target's input for the verify fo
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
 import torch
@@ -156,55 +156,67 @@ def new_tree(root: int) -> Tree:
 
 
 Expand = Callable[[list[int], list[int]], torch.Tensor]
-"""expand(parent draft ids (-1 = root), tokens) -> draft logits [n, V] for the new nodes' children."""
+"""expand(parents, tokens) -> draft logits [n, V] for the new nodes' children: parents are the draft's ids of
+the new nodes' parents (-1 = the root), tokens the new nodes' tokens."""
 
+Expansion = tuple[list[int], list[int]]
+"""What a tree builder asks of the draft: (parents, tokens), the arguments of an `Expand`."""
 
-class _Expander:
-    """Runs the draft on tree nodes, keeping track of the draft's own node ids."""
-
-    def __init__(self, expand: Expand, tree: Tree):
-        self.expand = expand
-        self.tree = tree
-        self.next_id = 0
-
-    def run(self, nodes: list[int]) -> torch.Tensor:
-        tree = self.tree
-        parents = [tree.draft_ids[tree.parents[i]] if tree.parents[i] > 0 else -1 for i in nodes]
-        logits = self.expand(parents, [tree.tokens[i] for i in nodes])
-        for i in nodes:
-            tree.draft_ids[i] = self.next_id
-            self.next_id += 1
-        return logits
+Steps = Generator[Expansion, torch.Tensor, Tree]
+"""A tree being built (`tree_steps`): yields each expansion it needs, is sent the draft's logits for it [n, V],
+returns the tree."""
 
 
 def build_tree(shape: Shape, root: int, root_logits: torch.Tensor, expand: Expand,
                params: SamplingParams, generator: torch.Generator | None) -> Tree:
     """Draft a tree of the given shape under `root` (root_logits: the draft's logits for its children)."""
+    steps = tree_steps(shape, root, root_logits, params, generator)
+    logits = None
+    while True:
+        try:
+            parents, tokens = steps.send(logits)
+        except StopIteration as built:
+            return built.value
+        logits = expand(parents, tokens)
+
+
+def tree_steps(shape: Shape, root: int, root_logits: torch.Tensor, params: SamplingParams,
+               generator: torch.Generator | None) -> Steps:
+    """`build_tree` with the draft kept outside: the builder yields each expansion and waits for its logits, so
+    a batch of rows can build their trees in lockstep, every row's expansion of one depth in one draft forward
+    (`eyas.eval.batched`). Each row draws its random numbers in the same order either way."""
     tree = new_tree(root)
-    expander = _Expander(expand, tree)
     if shape.kind == "chain":
-        _build_chain(tree, shape, root_logits, expander, params, generator)
+        yield from _build_chain(tree, shape, root_logits, params, generator)
     elif shape.kind == "tree":
-        _build_static(tree, shape, root_logits, expander, params, generator)
+        yield from _build_static(tree, shape, root_logits, params, generator)
     else:
-        _build_dynamic(tree, shape, root_logits, expander, params)
+        yield from _build_dynamic(tree, shape, root_logits, params)
     return tree
 
 
-def _build_chain(tree: Tree, shape: Shape, logits: torch.Tensor, expander: _Expander,
-                 params: SamplingParams, generator) -> None:
+def _expand(tree: Tree, nodes: list[int]) -> Generator[Expansion, torch.Tensor, torch.Tensor]:
+    """Run the draft on these tree nodes (yields the expansion), numbering them in the draft's order."""
+    parents = [tree.draft_ids[tree.parents[i]] if tree.parents[i] > 0 else -1 for i in nodes]
+    logits = yield parents, [tree.tokens[i] for i in nodes]
+    first = max(tree.draft_ids) + 1  # the root holds -2, unexpanded nodes -1
+    for offset, i in enumerate(nodes):
+        tree.draft_ids[i] = first + offset
+    return logits
+
+
+def _build_chain(tree: Tree, shape: Shape, logits: torch.Tensor, params: SamplingParams, generator):
     parent = 0
     for depth in range(1, shape.depth + 1):
         tokens, q = draw_candidates(logits, 1, params, generator)
         node = tree.add(parent, tokens[0])
         tree.child_q[parent] = q
         if depth < shape.depth:
-            logits = expander.run([node])[0]
+            logits = (yield from _expand(tree, [node]))[0]
         parent = node
 
 
-def _build_static(tree: Tree, shape: Shape, root_logits: torch.Tensor, expander: _Expander,
-                  params: SamplingParams, generator) -> None:
+def _build_static(tree: Tree, shape: Shape, root_logits: torch.Tensor, params: SamplingParams, generator):
     # children count per path prefix, and which prefixes have children (need a draft forward)
     fanout: dict[tuple, int] = {}
     for path in shape.paths:
@@ -224,7 +236,7 @@ def _build_static(tree: Tree, shape: Shape, root_logits: torch.Tensor, expander:
                 created.append(path)
         to_expand = [path for path in created if path in fanout]
         if to_expand:
-            logits = expander.run([index_of[p] for p in to_expand])
+            logits = yield from _expand(tree, [index_of[p] for p in to_expand])
             for path, row in zip(to_expand, logits):
                 logits_of[path] = row
 
@@ -237,8 +249,7 @@ def _top_children(logits: torch.Tensor, k: int, params: SamplingParams) -> tuple
     return top.values.log(), top.indices
 
 
-def _build_dynamic(tree: Tree, shape: Shape, root_logits: torch.Tensor, expander: _Expander,
-                   params: SamplingParams) -> None:
+def _build_dynamic(tree: Tree, shape: Shape, root_logits: torch.Tensor, params: SamplingParams):
     """EAGLE-2: beam of the top-k nodes by cumulative log-prob, rerank all candidates, keep N."""
     k = shape.topk
     # candidate pool: (score, depth, order, parent_candidate, token); the root is candidate -1
@@ -264,7 +275,7 @@ def _build_dynamic(tree: Tree, shape: Shape, root_logits: torch.Tensor, expander
         if not frontier:
             break
         parents = [draft_nodes[pool[c][3]] if pool[c][3] >= 0 else -1 for c in frontier]
-        logits = expander.expand(parents, [pool[c][4] for c in frontier])
+        logits = yield parents, [pool[c][4] for c in frontier]
         for c in frontier:
             draft_nodes[c] = next_id
             next_id += 1

@@ -103,7 +103,9 @@ HEADS = [("eagle3", True), ("eagle", False), ("peagle", True), ("dflash", True)]
 
 @pytest.mark.parametrize("kind,reduced", HEADS, ids=[kind for kind, _ in HEADS])
 def test_batched_head_draft_logits_equal_one_at_a_time(tmp_path, tiny_qwen2_dir, kind, reduced):
-    """Start, two chain nodes, then a ragged commit (0, 1 and 2 accepted tokens), then a node again."""
+    """Start, two depths of tree nodes (1, 2 and 2 nodes per row, then children of different parents), a ragged
+    commit (0, 1 and 2 accepted tokens, through different nodes), then a node again: every row's logits equal
+    its one-at-a-time draft's for the same calls."""
     target, tokenizer = load(tiny_qwen2_dir)
     draft = load_head_draft(make_checkpoint(tmp_path / "ckpt", tiny_qwen2_dir, kind, "chain", reduced), target, tokenizer)
     generator = torch.Generator().manual_seed(5)
@@ -115,22 +117,25 @@ def test_batched_head_draft_logits_equal_one_at_a_time(tmp_path, tiny_qwen2_dir,
         prompts_, roots = [s[:n].tolist() for s, n in zip(sequences, lengths)], [int(s[n]) for s, n in zip(sequences, lengths)]
         width = max(lengths)
         padded = torch.stack([torch.cat([f[:1].expand(width - n, -1), f[:n]]) for f, n in zip(features, lengths)])
-        batch = batched_draft(draft, 3)  # chains 3 deep: two nodes to expand
-        got = [batch.start(prompts_, roots, padded)]
-        nodes = [[int(s[n + 1]), int(s[n + 2])] for s, n in zip(sequences, lengths)]
-        got += [batch.expand([row[0] for row in nodes]), batch.expand([row[1] for row in nodes])]
-        accepted = [nodes[0][:0], nodes[1][:1], nodes[2][:2]]
+        nxt = [(int(s[n + 1]), int(s[n + 2])) for s, n in zip(sequences, lengths)]
+        # (parents, tokens) per row: node 0 is the sequence's next token, node 1 (rows 1, 2) another root child;
+        # at depth 2 row 1 expands its second child first; row 2's node 2 is the sequence's token after node 0
+        depth1 = [([-1], [nxt[0][0]]), ([-1, -1], [nxt[1][0], 99]), ([-1, -1], [nxt[2][0], 98])]
+        depth2 = [([0], [nxt[0][1]]), ([1, 0], [55, nxt[1][1]]), ([0], [nxt[2][1]])]
+        accepted, kept = [[], [nxt[1][0]], list(nxt[2])], [[], [0], [0, 2]]
         new_roots = [int(s[n + 1 + len(a)]) for s, n, a in zip(sequences, lengths, accepted)]
         commit_features = [f[n:n + 1 + len(a)] for f, n, a in zip(features, lengths, accepted)]
-        got += [batch.commit(accepted, new_roots, commit_features), batch.expand([7, 8, 9])]
+        batch = batched_draft(draft, 3)  # trees 3 deep: nodes to expand at depths 1 and 2
+        got = [batch.start(prompts_, roots, padded), batch.expand(depth1), batch.expand(depth2),
+               batch.commit(kept, accepted, new_roots, commit_features),
+               batch.expand([([-1], [7 + b]) for b in range(len(lengths))])]
         for b, n in enumerate(lengths):
-            want = [draft.start(torch.tensor(prompts_[b]), roots[b], features[b][:n])]
-            want += [draft.expand([-1], [nodes[b][0]])[0], draft.expand([0], [nodes[b][1]])[0]]
-            kept = list(range(min(len(accepted[b]), 2)))
-            want += [draft.commit(kept, accepted[b], new_roots[b], commit_features[b]), draft.expand([-1], [7 + b])[0]]
+            want = [draft.start(torch.tensor(prompts_[b]), roots[b], features[b][:n]), draft.expand(*depth1[b]),
+                    draft.expand(*depth2[b]), draft.commit(kept[b], accepted[b], new_roots[b], commit_features[b]),
+                    draft.expand([-1], [7 + b])]
             for step, (a, w) in enumerate(zip(got, want)):
                 finite = torch.isfinite(w)
-                assert torch.equal(torch.isfinite(a[b]), finite)
+                assert a[b].shape == w.shape and torch.equal(torch.isfinite(a[b]), finite), f"{kind} row {b} call {step}"
                 # fp32 over a batch runs other matmul shapes (kernels pick their blocking by shape): measured up to
                 # 3.3e-5 on logits of magnitude 30 with AMX, so the tolerance is relative to the row's largest logit.
                 scale = max(1.0, w[finite].abs().max().item())
