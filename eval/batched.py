@@ -32,8 +32,8 @@ How the rows draft:
   peagle) and dflash build every row's tree in lockstep: each row's builder (`eyas.eval.tree.tree_steps`)
   asks for its nodes of one depth, and every row's nodes of that depth run in ONE draft forward, each
   seeing its row's committed entries, its ancestors and itself (`TreeNodes`); peagle's mask slots and
-  dflash's block run once per round for every row. A draft forward of a few tokens per row costs about
-  what one row's does on a CPU, so a round's draft cost no longer grows with the batch.
+  dflash's block run once per round for every row, so a round's draft forwards do not grow with the
+  batch (docs/results.md, "Many prompts at once").
 - `RowDrafts`: mtp heads (per-layer caches with their own frontiers): each row drafts with its own copy
   of the one-at-a-time draft, row after row, so only the verify is batched.
 The mixture test draft runs one prompt at a time (`batch_unsupported`).
@@ -472,7 +472,7 @@ class BatchedBlockDraft:
         self.slots = self.slots[rows.to(self.slots.device)]
 
 
-def batch_unsupported(draft, shape: Shape) -> str | None:
+def batch_unsupported(draft) -> str | None:
     """Why this draft x shape cannot run batched (None: it can)."""
     if isinstance(draft, MixtureDraft):
         return f"draft '{draft.name}': the mixture test draft runs one prompt at a time"
@@ -572,7 +572,7 @@ class BatchedDecoder:
     """`generate(prompts, max_new_tokens, seeds)` -> one `DecodeResult` per prompt."""
 
     def __init__(self, target, draft, shape: Shape, params: SamplingParams, eos_token_ids: list[int] | None = None):
-        reason = batch_unsupported(draft, shape)
+        reason = batch_unsupported(draft)
         if reason:
             raise ValueError(reason)
         self.single = SpeculativeDecoder(target, draft, shape, params, eos_token_ids)  # the same checks

@@ -142,7 +142,7 @@ def _evaluate_batched(target, configs: list[Config], prompts: list[EncodedPrompt
                       batch_size: int) -> dict:
     """`evaluate` over batches of `batch_size` prompts (see the module docstring)."""
     for config in configs:
-        config.batch_note = batch_unsupported(config.draft, config.shape)
+        config.batch_note = batch_unsupported(config.draft)
         if config.batch_note is None:
             config.batched = BatchedDecoder(target, config.draft, config.shape, params, eos)
     batches = [list(range(i, min(i + batch_size, len(prompts)))) for i in range(0, len(prompts), batch_size)]

@@ -93,7 +93,7 @@ def test_batched_rows_equal_the_targets_own_past_the_window_and_unknown_layer_ki
     prompts, new = [prompt for prompt, _ in _cases(target)], 40
     references = [target_generate(target, prompt, new, GREEDY, eos) for prompt in prompts]
     draft = LMDraft(truncated_target(target, 1), "truncated:1")
-    assert batch_unsupported(draft, parse_shape("chain:2")) is None
+    assert batch_unsupported(draft) is None
     assert _batched_all(target, prompts, new) == references * 6
     items = [EncodedPrompt(Prompt(f"p{i}", "any", []), ids) for i, ids in enumerate(prompts[:2])]
     report = evaluate(target, None, [draft], [parse_shape("chain:3")], items, GREEDY, 16, progress=False, batch_size=2)
