@@ -27,21 +27,18 @@ the one-at-a-time decoder up to float rounding: a batch changes matmul blocking 
 to each softmax, which can move a last bit (fp32: never a token in the tests; bf16: a near-tie can flip,
 as between a verify and single steps, see `eval.kv`).
 
-How the rows draft:
-- `TogetherDrafts`: token drafts (`LMDraft`, e.g. truncated:N), the shared-layer heads (eagle, eagle3,
-  peagle) and dflash build every row's tree in lockstep: each row's builder (`eyas.eval.tree.tree_steps`)
-  asks for its nodes of one depth, and every row's nodes of that depth run in ONE draft forward, each
-  seeing its row's committed entries, its ancestors and itself (`TreeNodes`); peagle's mask slots and
-  dflash's block run once per round for every row, so a round's draft forwards do not grow with the
-  batch (docs/results.md, "Many prompts at once").
-- `RowDrafts`: mtp heads (per-layer caches with their own frontiers): each row drafts with its own copy
-  of the one-at-a-time draft, row after row, so only the verify is batched.
+How the rows draft (`TogetherDrafts`): every row builds its tree (a chain is a tree of one branch) in
+lockstep with the others: each row's builder (`eyas.eval.tree.tree_steps`) asks for its nodes of one
+depth, and every row's nodes of that depth run in ONE draft forward through the draft's batched adapter:
+token drafts (`LMDraft`, e.g. truncated:N) and the shared-layer heads (eagle, eagle3) see their row's
+committed entries, their ancestors and themselves (`TreeNodes`); peagle's mask slots and dflash's block
+run once per round for every row; an mtp head runs layer d for every row's depth-d nodes
+(`BatchedPerStepDraft`). So a round's draft forwards do not grow with the batch (docs/results.md, "Many
+prompts at once").
 The mixture test draft runs one prompt at a time (`batch_unsupported`).
 """
 
 from __future__ import annotations
-
-import copy
 
 import torch
 
@@ -49,9 +46,9 @@ from eyas.decode import SamplingParams, cache_kwarg, new_cache, process_logits, 
 from eyas.errors import EyasError
 from eyas.eval.decoder import DecodeResult, SpeculativeDecoder, _Clock, _count, _cut, drafted_path
 from eyas.eval.drafts import LMDraft, MixtureDraft
-from eyas.eval.head_draft import BlockDraft, SharedLayerDraft, mask_slot_inputs
+from eyas.eval.head_draft import BlockDraft, PerStepDraft, SharedLayerDraft, mask_slot_inputs
 from eyas.eval.kv import check_attention, layer_masks, row_invariant_attention
-from eyas.eval.tree import Expansion, Shape, Tree, build_tree, tree_steps
+from eyas.eval.tree import Expansion, Shape, Tree, tree_steps
 from eyas.eval.verify import verify_greedy, verify_sampled
 
 # --------------------------------------------------------------------------------------------
@@ -61,10 +58,11 @@ from eyas.eval.verify import verify_greedy, verify_sampled
 class RaggedCache:
     """A batch KV cache whose row b holds columns [start_b, start_b + len_b) (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, rows: int = 0) -> None:
+        """An empty cache (`rows`: for appending to at once, without a prefill)."""
         self.cache = new_cache()
-        self.start = torch.zeros(0, dtype=torch.long)
-        self.lengths = torch.zeros(0, dtype=torch.long)
+        self.start = torch.zeros(rows, dtype=torch.long)
+        self.lengths = torch.zeros(rows, dtype=torch.long)
 
     @property
     def width(self) -> int:
@@ -155,8 +153,9 @@ class RaggedCache:
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only these rows (finished ones leave the batch)."""
-        if any(getattr(layer, "keys", None) is not None and layer.keys.numel() for layer in self.cache.layers):
-            self.cache.batch_select_indices(rows.to(self.cache.layers[0].keys.device))
+        filled = [layer for layer in self.cache.layers if getattr(layer, "keys", None) is not None and layer.keys.numel()]
+        if filled:  # (an mtp layer's cache holds only its own layer)
+            self.cache.batch_select_indices(rows.to(filled[0].keys.device))
         self.start, self.lengths = self.start[rows], self.lengths[rows]
         shift = int(self.start.min()) if len(rows) else 0  # columns no remaining row uses
         for layer in self.cache.layers:
@@ -472,6 +471,140 @@ class BatchedBlockDraft:
         self.slots = self.slots[rows.to(self.slots.device)]
 
 
+class BatchedPerStepDraft:
+    """mtp (`PerStepDraft`) over a batch. Layer k keeps its own `RaggedCache`: row b's entries are its slots whose
+    token x_{s+k+1} is committed, at positions s + k. A depth-d node runs layer d over slots M-d..M-1 with its
+    path's tokens standing in for the unknown ones; every row's depth-d nodes run in ONE forward, each node's
+    rows seeing layer d's committed entries and, causally, each other (not another node's), and they leave
+    nothing in the cache, as one at a time. Commits advance every layer over its newly known slots, each
+    layer one forward for every row."""
+
+    def __init__(self, draft: PerStepDraft):
+        self.draft = draft
+        self.head = draft.head
+        self.name = draft.name
+        self.vocab_size = draft.vocab_size
+        self.feature_layers = draft.feature_layers
+        self.max_depth = draft.max_depth
+        self.dtype = next(self.head.parameters()).dtype
+        self.device = draft.device
+
+    def start(self, prompts: list[list[int]], roots: list[int], features: torch.Tensor) -> torch.Tensor:
+        """features: the target's left-padded prefill features [B, W, F] (W = the longest prompt)."""
+        width = features.shape[1]
+        self.tokens = [p + [r] for p, r in zip(prompts, roots)]  # row b: x_0 .. x_M
+        self.features = [self.draft._project(features[b, width - len(p):]) for b, p in enumerate(prompts)]
+        self.kv = [RaggedCache(len(prompts)) for _ in range(self.max_depth)]
+        self.frontier = [[0] * self.max_depth for _ in prompts]  # per row and layer: committed slots
+        self.real_hidden: list[list[torch.Tensor | None]] = [[None] * self.max_depth for _ in prompts]
+        self.nodes: list[list[dict]] = [[] for _ in prompts]
+        return self._advance()
+
+    def _feature(self, b: int, layer: int, slots: range, parent: dict | None = None) -> torch.Tensor:
+        """Row b's features of `layer` at `slots`: the target's f_s, or layer-1's hidden (committed or the parent's)."""
+        if layer == 0 or not self.head.chains_hidden():
+            return self.features[b][slots.start:slots.stop]
+        known = self.frontier[b][layer - 1]
+        return torch.stack([self.real_hidden[b][layer - 1][s] if s < known else parent["hidden"][s - parent["first_slot"]]
+                            for s in slots])
+
+    def _run(self, layer: int, rows: list[list[tuple[list[int], torch.Tensor, list[int]]]]):
+        """Layer `layer` over per-row pieces (tokens, features [n, H], positions), right-padded into one forward
+        after the layer's entries, each piece causal among its own rows only: (hidden, logits) [B, n, ...] and
+        the rows' counts."""
+        sizes = [[len(tokens) for tokens, _, _ in row] for row in rows]
+        counts = torch.tensor([sum(row) for row in sizes], dtype=torch.long)
+        n = max(int(counts.max()), 1)
+        ids = torch.zeros(len(rows), n, dtype=torch.long)
+        positions = torch.zeros(len(rows), n, dtype=torch.long)
+        feats = torch.zeros(len(rows), n, self.features[0].shape[-1], dtype=self.features[0].dtype, device=self.device)
+        within = torch.zeros(len(rows), n, n, dtype=torch.bool)
+        for b, (row, row_sizes) in enumerate(zip(rows, sizes)):
+            first = 0
+            for (tokens, features, places), size in zip(row, row_sizes):
+                ids[b, first:first + size] = torch.tensor(tokens)
+                positions[b, first:first + size] = torch.tensor(places)
+                feats[b, first:first + size] = features
+                within[b, first:first + size, first:first + size] = torch.ones(size, size, dtype=torch.bool).tril()
+                first += size
+            within[b, first:, first:] = torch.eye(n - first, dtype=torch.bool)  # padding sees itself
+        kv = self.kv[layer]
+        mask = kv.append_mask(n, counts, self.dtype, self.device, within=within, positions=positions)
+        hidden, logits = self.head.step(layer, ids.to(self.device), feats, positions.to(self.device),
+                                        attention_mask=mask, past_key_values=kv.cache)
+        return hidden, logits, counts
+
+    def _advance(self) -> torch.Tensor:
+        """Each layer k runs over every row's newly committed slots (token x_{s+k+1} known: s <= M-1-k); returns
+        layer 0's logits at each row's last slot (the root's children)."""
+        root_logits = None
+        for layer in range(self.max_depth):
+            slots = [range(f[layer], max(f[layer], len(t) - 1 - layer)) for f, t in zip(self.frontier, self.tokens)]
+            if not any(slots):
+                continue
+            pieces = [[([t[s + layer + 1] for s in r], self._feature(b, layer, r), [s + layer for s in r])] if r else []
+                      for b, (r, t) in enumerate(zip(slots, self.tokens))]
+            hidden, logits, counts = self._run(layer, pieces)
+            self.kv[layer].settle(counts)
+            for b, r in enumerate(slots):
+                if r:
+                    done = self.real_hidden[b][layer]
+                    new = hidden[b, :len(r)]
+                    self.real_hidden[b][layer] = new if done is None else torch.cat([done, new])
+                    self.frontier[b][layer] = r.stop
+            if layer == 0:
+                root_logits = _pick(logits, counts - 1)
+        return self.draft._to_target(root_logits)
+
+    def expand(self, requests: Requests) -> list[torch.Tensor | None]:
+        depths = {self.nodes[b][p]["depth"] + 1 if p >= 0 else 1
+                  for b, r in enumerate(requests) if r for p in r[0]}
+        if len(depths) != 1:
+            raise EyasError(f"batched drafting expands one depth at a time; the rows asked for depths {sorted(depths)}")
+        depth = depths.pop()
+        if depth >= self.max_depth:
+            raise EyasError(f"the mtp draft has {self.max_depth} layers: shapes deeper than {self.max_depth} "
+                            "cannot be drafted with it")
+        pieces, made = [], []
+        for b, request in enumerate(requests):
+            last = len(self.tokens[b]) - 1  # M
+            slots = range(max(0, last - depth), last)
+            row, new = [], []
+            for parent, token in zip(*request) if request else ():
+                up = self.nodes[b][parent] if parent >= 0 else None
+                path = (up["path"] if up else []) + [token]
+                row.append(([path[s + depth - last] for s in slots], self._feature(b, depth, slots, up),
+                            [s + depth for s in slots]))
+                new.append({"depth": depth, "path": path, "first_slot": slots.start})
+            pieces.append(row)
+            made.append(new)
+        hidden, logits, _ = self._run(depth, pieces)
+        self.kv[depth].keep([[] for _ in requests])  # the nodes' entries are never read again
+        out = []
+        for b, new in enumerate(made):
+            size = len(pieces[b][0][0]) if new else 0  # every node of a row runs as many slots
+            for j, node in enumerate(new):
+                node["hidden"] = hidden[b, j * size:(j + 1) * size]
+            self.nodes[b] += new
+            out.append(self.draft._to_target(logits[b, size - 1:len(new) * size:size]) if new else None)
+        return out
+
+    def commit(self, kept: list[list[int]], accepted: list[list[int]], roots: list[int],
+               features: list[torch.Tensor]) -> torch.Tensor:
+        for b, (tokens, root, row) in enumerate(zip(accepted, roots, features)):
+            self.tokens[b] += tokens + [root]
+            self.features[b] = torch.cat([self.features[b], self.draft._project(row)])
+            self.nodes[b] = []
+        return self._advance()
+
+    def select(self, rows: torch.Tensor) -> None:
+        for kv in self.kv:
+            kv.select(rows)
+        keep = rows.tolist()
+        for name in ("tokens", "features", "frontier", "real_hidden", "nodes"):
+            setattr(self, name, [getattr(self, name)[b] for b in keep])
+
+
 def batch_unsupported(draft) -> str | None:
     """Why this draft x shape cannot run batched (None: it can)."""
     if isinstance(draft, MixtureDraft):
@@ -479,16 +612,12 @@ def batch_unsupported(draft) -> str | None:
     return None
 
 
-def drafts_together(draft) -> bool:
-    """True when the rows draft in lockstep, each depth's nodes of every row in one draft forward (a batched adapter
-    exists); else each row drafts with its own copy of the one-at-a-time draft (`RowDrafts`)."""
-    return isinstance(draft, (LMDraft, SharedLayerDraft, BlockDraft))
-
-
 def batched_draft(draft, depth: int):
     """The batched adapter of `draft` for trees `depth` deep."""
     if isinstance(draft, SharedLayerDraft):
         return BatchedSharedLayerDraft(draft, depth)
+    if isinstance(draft, PerStepDraft):
+        return BatchedPerStepDraft(draft)
     return BatchedBlockDraft(draft) if isinstance(draft, BlockDraft) else BatchedLMDraft(draft)
 
 
@@ -530,40 +659,6 @@ class TogetherDrafts:
         self.adapter.select(rows)
 
 
-class RowDrafts:
-    """Each row drafts its own tree with its own copy of the one-at-a-time draft (mtp heads, whose layers keep
-    caches with frontiers of their own): the drafts run row after row, exactly as one at a time, and the rows'
-    trees are verified together in one forward. A copy shares the draft's weights; `start` gives it a state of
-    its own."""
-
-    def __init__(self, draft, shape: Shape, params: SamplingParams, device):
-        self.draft, self.shape, self.params, self.device = draft, shape, params, device
-
-    def start(self, prompts: list[list[int]], roots: list[int], features) -> torch.Tensor:
-        """features: the target's left-padded prefill features [B, W, F] or None."""
-        self.rows, logits = [], []
-        for b, (prompt, root) in enumerate(zip(prompts, roots)):
-            row = copy.copy(self.draft)
-            if hasattr(row, "plan_depth"):
-                row.plan_depth(self.shape.depth)
-            own = features[b, features.shape[1] - len(prompt):] if features is not None else None
-            logits.append(row.start(torch.tensor(prompt, device=self.device), root, own))
-            self.rows.append(row)
-        return torch.stack(logits)
-
-    def draw(self, roots: list[int], logits: torch.Tensor, generators: list) -> list[Tree]:
-        return [build_tree(self.shape, root, logits[i], row.expand, self.params, generators[i])
-                for i, (row, root) in enumerate(zip(self.rows, roots))]
-
-    def commit(self, trees: list[Tree], paths: list[list[int]], roots: list[int], features) -> torch.Tensor:
-        return torch.stack([row.commit(drafted_path(tree, path), tree.path_tokens(path), root,
-                                       features[i] if features is not None else None)
-                            for i, (row, tree, path, root) in enumerate(zip(self.rows, trees, paths, roots))])
-
-    def select(self, rows: torch.Tensor) -> None:
-        self.rows = [self.rows[b] for b in rows.tolist()]
-
-
 # --------------------------------------------------------------------------------------------
 # The decoder
 
@@ -578,8 +673,7 @@ class BatchedDecoder:
         self.single = SpeculativeDecoder(target, draft, shape, params, eos_token_ids)  # the same checks
         check_attention(target)
         self.target, self.shape, self.params = target, shape, params
-        self.drafts = (TogetherDrafts(draft, shape, params) if drafts_together(draft)
-                       else RowDrafts(draft, shape, params, target.device))
+        self.drafts = TogetherDrafts(draft, shape, params)
         self.eos = set(eos_token_ids if eos_token_ids is not None else stop_token_ids(target))
         self.device = target.device
         self.feature_layers = getattr(draft, "feature_layers", None)

@@ -4,8 +4,8 @@
   limit at different rounds) equals its prompt's own greedy decode (HF `generate`) and the
   one-at-a-time decoder's output, with the same acceptance counts per round and per depth
   (fp32, tiny Llama and Qwen2; drafts that accept everything, some, or almost nothing).
-* The batched drafts (truncated target, eagle, eagle3) give the same logits per row as the
-  one-at-a-time drafts through start / expand / ragged commits.
+* The batched drafts (eagle, eagle3, peagle, dflash, mtp) give the same logits per row as the
+  one-at-a-time drafts through start, three depths of ragged tree expansions and a ragged commit.
 * T>0: row b with seed s reproduces `SpeculativeDecoder(seed=s)` on that prompt alone, and
   over 40,000 rows of one context the second and third tokens follow the target's own
   distribution (TV < 0.01, rows accepting 0, 1 or 2 draft tokens in the same verify; slow).
@@ -97,13 +97,14 @@ def test_batched_sampling_rows_reproduce_their_own_seeded_decode(tiny_llama_dir)
         assert_rows_match_one_at_a_time(target, draft, "chain:3", params, eos, cases, 25)
 
 
-# peagle: the mask slots of every depth in one forward; dflash: every row's block in one forward
-HEADS = [("eagle3", True), ("eagle", False), ("peagle", True), ("dflash", True)]
+# peagle: the mask slots of every depth in one forward; dflash: every row's block in one forward; mtp (chain feed):
+# layer d for every row's depth-d nodes, each node's rows reading its parent's
+HEADS = [("eagle3", True), ("eagle", False), ("peagle", True), ("dflash", True), ("mtp", False)]
 
 
 @pytest.mark.parametrize("kind,reduced", HEADS, ids=[kind for kind, _ in HEADS])
 def test_batched_head_draft_logits_equal_one_at_a_time(tmp_path, tiny_qwen2_dir, kind, reduced):
-    """Start, two depths of tree nodes (1, 2 and 2 nodes per row, then children of different parents), a ragged
+    """Start, three depths of tree nodes (1, 2 and 2 nodes per row, then children of different parents), a ragged
     commit (0, 1 and 2 accepted tokens, through different nodes), then a node again: every row's logits equal
     its one-at-a-time draft's for the same calls."""
     target, tokenizer = load(tiny_qwen2_dir)
@@ -122,17 +123,18 @@ def test_batched_head_draft_logits_equal_one_at_a_time(tmp_path, tiny_qwen2_dir,
         # at depth 2 row 1 expands its second child first; row 2's node 2 is the sequence's token after node 0
         depth1 = [([-1], [nxt[0][0]]), ([-1, -1], [nxt[1][0], 99]), ([-1, -1], [nxt[2][0], 98])]
         depth2 = [([0], [nxt[0][1]]), ([1, 0], [55, nxt[1][1]]), ([0], [nxt[2][1]])]
+        depth3 = [([1], [5]), ([3, 2], [6, 7]), ([2], [8])]  # (an mtp node 3 deep reads 2 rows of its parent's)
         accepted, kept = [[], [nxt[1][0]], list(nxt[2])], [[], [0], [0, 2]]
         new_roots = [int(s[n + 1 + len(a)]) for s, n, a in zip(sequences, lengths, accepted)]
         commit_features = [f[n:n + 1 + len(a)] for f, n, a in zip(features, lengths, accepted)]
-        batch = batched_draft(draft, 3)  # trees 3 deep: nodes to expand at depths 1 and 2
-        got = [batch.start(prompts_, roots, padded), batch.expand(depth1), batch.expand(depth2),
+        batch = batched_draft(draft, 4)  # trees 4 deep: nodes to expand at depths 1-3
+        got = [batch.start(prompts_, roots, padded), batch.expand(depth1), batch.expand(depth2), batch.expand(depth3),
                batch.commit(kept, accepted, new_roots, commit_features),
                batch.expand([([-1], [7 + b]) for b in range(len(lengths))])]
         for b, n in enumerate(lengths):
             want = [draft.start(torch.tensor(prompts_[b]), roots[b], features[b][:n]), draft.expand(*depth1[b]),
-                    draft.expand(*depth2[b]), draft.commit(kept[b], accepted[b], new_roots[b], commit_features[b]),
-                    draft.expand([-1], [7 + b])]
+                    draft.expand(*depth2[b]), draft.expand(*depth3[b]),
+                    draft.commit(kept[b], accepted[b], new_roots[b], commit_features[b]), draft.expand([-1], [7 + b])]
             for step, (a, w) in enumerate(zip(got, want)):
                 finite = torch.isfinite(w)
                 assert a[b].shape == w.shape and torch.equal(torch.isfinite(a[b]), finite), f"{kind} row {b} call {step}"
@@ -174,7 +176,7 @@ def test_batched_trees_of_token_drafts_are_exact_per_row(tiny_llama_dir, tmp_pat
             assert_rows_match_one_at_a_time(target, draft, spec, SamplingParams(0.8), [stop], cases, 25)
 
 
-# every head kind on trees, and mtp (its per-layer caches) on chains too: drafted per row, verified together
+# every head kind on trees, and mtp (its per-layer caches) on chains too: drafted in lockstep, verified together
 TREE_HEADS = [("eagle3", "chain", True, TREES[1]), ("eagle", "chain", False, TREES[0]),
               ("peagle", "chain", True, TREES[0]), ("dflash", "chain", True, TREES[1]),
               ("mtp", "chain", False, "chain:3"), ("mtp", "target", True, TREES[1])]
