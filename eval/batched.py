@@ -314,21 +314,22 @@ class BatchedLMDraft:
         self.committed = self.committed[rows]
 
 
+def _take_head(adapter, draft) -> None:
+    """What a batched head adapter takes from its one-at-a-time draft: the draft protocol's attributes, the head,
+    its dtype and device (the adapter calls the draft's own `_project` and `_to_target`)."""
+    adapter.draft, adapter.head, adapter.name, adapter.vocab_size = draft, draft.head, draft.name, draft.vocab_size
+    adapter.feature_layers, adapter.max_depth, adapter.device = draft.feature_layers, draft.max_depth, draft.device
+    adapter.dtype = next(draft.head.parameters()).dtype
+
+
 class BatchedSharedLayerDraft:
     """eagle / eagle3 / peagle (`SharedLayerDraft`) over a `RaggedCache`: slot t holds (f_t, x_{t+1}) at position
     t; a tree node at depth d is step d with its parent's hidden, attending to the committed slots, its ancestors
     and itself. A parallel drafter's mask slots for depths 1..depth-1 run in one forward at depth 1."""
 
     def __init__(self, draft: SharedLayerDraft, depth: int):
-        self.draft = draft
+        _take_head(self, draft)
         self.slots = depth - 1  # a tree `depth` deep expands its nodes at depths 1..depth-1
-        self.head = draft.head
-        self.name = draft.name
-        self.vocab_size = draft.vocab_size
-        self.feature_layers = draft.feature_layers
-        self.max_depth = draft.max_depth
-        self.dtype = next(self.head.parameters()).dtype
-        self.device = draft.device
 
     def _step(self, k: int, ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
         return self.head.step(k, ids.to(self.device), features, positions.to(self.device), attention_mask=mask,
@@ -412,13 +413,7 @@ class BatchedBlockDraft:
     the logits of row b's depth-d nodes, as `BlockDraft` gives them one row at a time."""
 
     def __init__(self, draft: BlockDraft):
-        self.draft = draft
-        self.head = draft.head
-        self.name = draft.name
-        self.vocab_size = draft.vocab_size
-        self.feature_layers = draft.feature_layers
-        self.max_depth = draft.max_depth
-        self.device = draft.device
+        _take_head(self, draft)
 
     def _context(self, features: torch.Tensor, start: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, (keys, values) [1, heads, n, dim] of one row's target features [n, F] from position `start`."""
@@ -480,14 +475,7 @@ class BatchedPerStepDraft:
     layer one forward for every row."""
 
     def __init__(self, draft: PerStepDraft):
-        self.draft = draft
-        self.head = draft.head
-        self.name = draft.name
-        self.vocab_size = draft.vocab_size
-        self.feature_layers = draft.feature_layers
-        self.max_depth = draft.max_depth
-        self.dtype = next(self.head.parameters()).dtype
-        self.device = draft.device
+        _take_head(self, draft)
 
     def start(self, prompts: list[list[int]], roots: list[int], features: torch.Tensor) -> torch.Tensor:
         """features: the target's left-padded prefill features [B, W, F] (W = the longest prompt)."""
