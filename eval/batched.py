@@ -257,6 +257,11 @@ class TreeNodes:
         return ids, counts, positions, within, history
 
 
+def _each_node(logits: torch.Tensor, requests: Requests) -> list[torch.Tensor | None]:
+    """Row b's logits [B, V] for every node it asked to expand (a mask slot or block slot: one per depth)."""
+    return [logits[b, None].expand(len(r[0]), -1) if r else None for b, r in enumerate(requests)]
+
+
 def _rows(logits: torch.Tensor, counts: torch.Tensor) -> list[torch.Tensor | None]:
     """Per row, the logits of its first counts_b new nodes (None for a row without any)."""
     return [logits[b, :c] if c else None for b, c in enumerate(counts.tolist())]
@@ -383,8 +388,7 @@ class BatchedSharedLayerDraft:
                                    self.kv.append_mask(n, counts, self.dtype, self.device))
             self.kv.settle(counts)
             self.slot_logits = logits
-        slot = self.draft._to_target(self.slot_logits[:, depth - 1])
-        return [slot[b, None].expand(len(r[0]), -1) if r else None for b, r in enumerate(requests)]
+        return _each_node(self.draft._to_target(self.slot_logits[:, depth - 1]), requests)
 
     def commit(self, kept: list[list[int]], accepted: list[list[int]], roots: list[int],
                features: list[torch.Tensor]) -> torch.Tensor:
@@ -432,8 +436,7 @@ class BatchedBlockDraft:
         if depth >= self.max_depth:
             raise EyasError(f"the dflash draft has {self.max_depth} mask slots: shapes deeper than "
                             f"{self.max_depth} cannot be drafted with it")
-        slot = self.draft._to_target(self.slots[:, depth])
-        return [slot[b, None].expand(len(r[0]), -1) if r else None for b, r in enumerate(requests)]
+        return _each_node(self.draft._to_target(self.slots[:, depth]), requests)
 
     def commit(self, kept: list[list[int]], accepted: list[list[int]], roots: list[int],
                features: list[torch.Tensor]) -> torch.Tensor:
@@ -485,7 +488,8 @@ class BatchedPerStepDraft:
         self.kv = [RaggedCache(len(prompts)) for _ in range(self.max_depth)]
         self.frontier = [[0] * self.max_depth for _ in prompts]  # per row and layer: committed slots
         self.real_hidden: list[list[torch.Tensor | None]] = [[None] * self.max_depth for _ in prompts]
-        self.nodes: list[list[dict]] = [[] for _ in prompts]
+        self.nodes: list[list[dict]] = [[] for _ in prompts]  # per row, by node id: its path, hidden rows
+        self.tree = TreeNodes(len(prompts))
         return self._advance()
 
     def _feature(self, b: int, layer: int, slots: range, parent: dict | None = None) -> torch.Tensor:
@@ -545,11 +549,7 @@ class BatchedPerStepDraft:
         return self.draft._to_target(root_logits)
 
     def expand(self, requests: Requests) -> list[torch.Tensor | None]:
-        depths = {self.nodes[b][p]["depth"] + 1 if p >= 0 else 1
-                  for b, r in enumerate(requests) if r for p in r[0]}
-        if len(depths) != 1:
-            raise EyasError(f"batched drafting expands one depth at a time; the rows asked for depths {sorted(depths)}")
-        depth = depths.pop()
+        depth = self.tree.add(requests)
         if depth >= self.max_depth:
             raise EyasError(f"the mtp draft has {self.max_depth} layers: shapes deeper than {self.max_depth} "
                             "cannot be drafted with it")
@@ -563,7 +563,7 @@ class BatchedPerStepDraft:
                 path = (up["path"] if up else []) + [token]
                 row.append(([path[s + depth - last] for s in slots], self._feature(b, depth, slots, up),
                             [s + depth for s in slots]))
-                new.append({"depth": depth, "path": path, "first_slot": slots.start})
+                new.append({"path": path, "first_slot": slots.start})
             pieces.append(row)
             made.append(new)
         hidden, logits, _ = self._run(depth, pieces)
@@ -583,6 +583,7 @@ class BatchedPerStepDraft:
             self.tokens[b] += tokens + [root]
             self.features[b] = torch.cat([self.features[b], self.draft._project(row)])
             self.nodes[b] = []
+        self.tree = TreeNodes(len(roots))
         return self._advance()
 
     def select(self, rows: torch.Tensor) -> None:
