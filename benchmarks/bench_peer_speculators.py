@@ -810,9 +810,10 @@ def main(argv: list[str] | None = None) -> int:
                          "uses for its own drafts; give them other names")
     for name, checkpoint in also.items():
         training[name] = given_checkpoint(checkpoint)
-    eyas_config = read_draft_config(training["eyas"]["checkpoint"])  # the peer takes its shape from eyas's draft
-    for name in ("eyas", *also):
-        found = read_draft_config(training[name]["checkpoint"])["kind"]
+    configs = {name: read_draft_config(training[name]["checkpoint"]) for name in ("eyas", *also)}
+    eyas_config = configs["eyas"]  # the peer takes its shape from eyas's draft
+    for name, draft_config in configs.items():
+        found = draft_config["kind"]
         if found != args.kind:
             raise SystemExit(f"bench_peer_speculators: {name}'s checkpoint {training[name]['checkpoint']} is a {found} "
                              f"draft, but --kind is {args.kind}; give a {args.kind} checkpoint or --kind {found}")
