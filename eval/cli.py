@@ -33,9 +33,10 @@ from eyas.eval.engine_vllm import engine_eval, format_parity, require_vllm, reso
 from eyas.eval.prompts import load_prompts
 from eyas.eval.report import plot, print_report, write_json
 from eyas.eval.runner import encode_prompts, evaluate
+from eyas.eval.target_precision import EvalPrecision, choose
 from eyas.eval.tree import parse_shape
-from eyas.precision import eval_dtype, native_bf16
-from eyas.targets import load_target, pick_device, resolve_target_path
+from eyas.precision import native_bf16
+from eyas.targets import load_target, resolve_target_path
 from eyas.train.checkpoint import best_checkpoint
 
 
@@ -106,10 +107,18 @@ def _machine(device) -> dict:
     return info
 
 
-def _eval_target(recipe: Recipe):
-    """The recipe's target settings with the weights dtype `eval.target_dtype` picks for this machine."""
-    dtype = eval_dtype(recipe.eval.target_dtype, recipe.target.dtype, pick_device(recipe.target.device))
-    return dataclasses.replace(recipe.target, dtype=dtype)
+def eval_precision(recipe: Recipe) -> EvalPrecision:
+    """The precision `eval.target_dtype` picks for this machine (measured once where it is `auto`)."""
+    return choose(recipe.target, recipe.eval.target_dtype, recipe.eval.temperature)
+
+
+def _load_targets(recipe: Recipe, precision: EvalPrecision) -> tuple:
+    """(target, tokenizer, the target alone's copy in its fastest precision or None where it is the same)."""
+    target, tokenizer = load_target(dataclasses.replace(recipe.target, dtype=precision.dtype))
+    if not recipe.eval.baseline or precision.baseline_dtype == precision.dtype:
+        return target, tokenizer, None
+    alone, _ = load_target(dataclasses.replace(recipe.target, dtype=precision.baseline_dtype))
+    return target, tokenizer, alone
 
 
 def run(recipe: Recipe, progress: bool = True, console=None) -> dict:
@@ -128,7 +137,9 @@ def run(recipe: Recipe, progress: bool = True, console=None) -> dict:
     params = SamplingParams(ev.temperature, ev.top_p, ev.top_k)
     run_dir = recipe.run_dir if ev.prompts == "heldout" else None
     prompts, skipped = load_prompts(ev.prompts, run_dir, ev.max_prompts)
-    target, tokenizer = load_target(_eval_target(recipe))
+    precision = eval_precision(recipe)
+    print(f"eyas eval: target precision {precision.reason}", flush=True)
+    target, tokenizer, alone = _load_targets(recipe, precision)
     check_against_target(recipe, target.config)
     drafts = [make_draft(s, target, tokenizer, params, target_path=recipe.target.path) for s in specs]
     encoded, too_long = encode_prompts(prompts, tokenizer, target, ev.max_new_tokens, max(s.max_nodes for s in shapes),
@@ -138,12 +149,15 @@ def run(recipe: Recipe, progress: bool = True, console=None) -> dict:
         raise EyasError(f"all {len(prompts)} prompts are longer than the target's context allows with "
                         f"eval.max_new_tokens={ev.max_new_tokens}; lower it or use shorter prompts")
     results = evaluate(target, tokenizer, drafts, shapes, encoded, params, ev.max_new_tokens,
-                       seed=recipe.run.seed, baseline=ev.baseline, progress=progress, batch_size=ev.batch_size)
+                       seed=recipe.run.seed, baseline=ev.baseline, progress=progress, batch_size=ev.batch_size,
+                       baseline_target=alone)
     report = {
         "eyas_version": __version__,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "target": {"name": recipe.target.path, "path": str(resolve_target_path(recipe.target.path)),
                    "dtype": str(target.dtype).replace("torch.", ""), "dtype_setting": ev.target_dtype,
+                   "dtype_reason": precision.reason, "baseline_dtype": precision.baseline_dtype,
+                   "precision_probe": precision.probe,
                    "native_bf16": native_bf16(target.device), "num_hidden_layers": target.config.num_hidden_layers,
                    "vocab_size": target.config.vocab_size},
         "settings": {"temperature": ev.temperature, "top_p": ev.top_p, "top_k": ev.top_k,

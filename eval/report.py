@@ -60,7 +60,8 @@ def main_table(report: dict):
         _column(table, "=greedy")
     base = report.get("baseline")
     if base:
-        row = ["target alone", "-", "1.00", "-"] + ["-"] * depth + ["-", "-", _fmt(base["overall"]["tokens_per_s"], 1),
+        alone = f"target alone ({base['dtype']})" if base.get("dtype") else "target alone"
+        row = [alone, "-", "1.00", "-"] + ["-"] * depth + ["-", "-", _fmt(base["overall"]["tokens_per_s"], 1),
                                                                    "1.00x", "-"]
         if settings["temperature"] == 0:
             row.append("-")
@@ -107,12 +108,28 @@ def print_report(report: dict, console=None) -> None:
     for key, title in (("per_category", "per category"), ("per_turn", "per turn")):
         if len({g for c in report["configs"] for g in c.get(key, {})}) > 1:
             console.print(breakdown_table(report, key, title))
+    note = rounding_note(report)
+    if note:
+        console.print(note)
     skipped = report["settings"].get("skipped") or {}
     if skipped:
         console.print("skipped prompts: " + ", ".join(f"{n} {reason}" for reason, n in skipped.items()))
     console.print("tau = tokens per target verify incl. the bonus token; tau(a) = tau from the a_d; "
                   "a_d = P(accept d | 1..d-1 accepted); cum@K = P(all K accepted); "
                   "d/t/o % = shares of wall time: draft / target / other (decoder bookkeeping)")
+
+
+def rounding_note(report: dict) -> str | None:
+    """Why a bf16 eval's outputs may leave the target's greedy decode, where some did (None otherwise)."""
+    if report["settings"]["temperature"] != 0 or report["target"].get("dtype") != "bfloat16":
+        return None
+    parted = [c for c in report["configs"] if (m := c["overall"].get("greedy_match")) and m["matched"] < m["compared"]]
+    if not parted:
+        return None
+    return ("=greedy: the target runs in bfloat16, where a verify over several tokens and a 1-token decode round "
+            "differently, so an output can leave the target's 1-token greedy decode at a near-tie without any draft "
+            f"token being wrong ({len(parted)} of {len(report['configs'])} rows); eval.target_dtype=fp32 is exact "
+            f"(precision: {report['target'].get('dtype_reason', 'bfloat16')})")
 
 
 def write_json(report: dict, path: str | Path) -> Path:

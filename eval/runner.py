@@ -92,16 +92,21 @@ def _clock(device) -> float:
 
 def evaluate(target, tokenizer, drafts: list, shapes: list[Shape], prompts: list[EncodedPrompt],
              params: SamplingParams, max_new_tokens: int, seed: int = 0, baseline: bool = True,
-             progress: bool = True, batch_size: int = 1) -> dict:
-    """Decode every prompt with every draft x shape (and the target alone); return summaries."""
+             progress: bool = True, batch_size: int = 1, baseline_target=None) -> dict:
+    """Decode every prompt with every draft x shape (and the target alone); return summaries.
+
+    `baseline_target`: the same target in the precision the target alone is fastest in, where that is
+    not `target`'s (eval.target_precision): the baseline is timed in it, and the `=greedy` reference
+    is decoded (untimed) by `target`, in the precision the speculative decodes run in."""
     eos = stop_token_ids(target, tokenizer)
     configs = [Config(d, s, SpeculativeDecoder(target, d, s, params, eos, seed=seed)) for d in drafts for s in shapes]
+    timed = baseline_target if baseline_target is not None else target
     if batch_size > 1:
-        return _evaluate_batched(target, configs, prompts, params, max_new_tokens, eos, seed, baseline, progress,
-                                 batch_size)
+        return _evaluate_batched(target, timed, configs, prompts, params, max_new_tokens, eos, seed, baseline,
+                                 progress, batch_size)
     base_all, base_cat, base_turn = BaselineTally(), {}, {}
     if prompts:  # untimed warm-up of every path (first-call allocations, kernel selection)
-        target_decode(target, prompts[0].ids, min(8, max_new_tokens), params, eos, seed)
+        target_decode(timed, prompts[0].ids, min(8, max_new_tokens), params, eos, seed)
         for config in configs:
             config.decoder.generate(prompts[0].ids, min(8, max_new_tokens))
     total = len(prompts) * (len(configs) + int(baseline))
@@ -110,12 +115,14 @@ def evaluate(target, tokenizer, drafts: list, shapes: list[Shape], prompts: list
         category = item.prompt.category
         reference = None
         if baseline:
-            start = _clock(target.device)
-            reference = target_decode(target, item.ids, max_new_tokens, params, eos, seed + index)
-            seconds = _clock(target.device) - start
-            base_all.add(len(reference), seconds)
-            base_cat.setdefault(category, BaselineTally()).add(len(reference), seconds)
-            base_turn.setdefault(item.turn, BaselineTally()).add(len(reference), seconds)
+            start = _clock(timed.device)
+            alone = target_decode(timed, item.ids, max_new_tokens, params, eos, seed + index)
+            seconds = _clock(timed.device) - start
+            base_all.add(len(alone), seconds)
+            base_cat.setdefault(category, BaselineTally()).add(len(alone), seconds)
+            base_turn.setdefault(item.turn, BaselineTally()).add(len(alone), seconds)
+            same = timed is target or not params.greedy  # else the reference in the decodes' precision
+            reference = alone if same else target_decode(target, item.ids, max_new_tokens, params, eos, seed + index)
             bar.update(1)
         for config in configs:
             result = config.decoder.generate(item.ids, max_new_tokens)
@@ -127,17 +134,18 @@ def evaluate(target, tokenizer, drafts: list, shapes: list[Shape], prompts: list
         if configs:
             bar.set_postfix(tau=f"{1 + configs[0].overall.accepted / max(configs[0].overall.rounds, 1):.2f}")
     bar.close()
-    return _summaries(configs, baseline, base_all, base_cat, base_turn)
+    return _summaries(configs, baseline, base_all, base_cat, base_turn, timed)
 
 
-def _summaries(configs: list[Config], baseline: bool, base_all: BaselineTally, base_cat: dict, base_turn: dict) -> dict:
+def _summaries(configs: list[Config], baseline: bool, base_all: BaselineTally, base_cat: dict, base_turn: dict,
+               timed) -> dict:
     return {
-        "baseline": _baseline_summary(base_all, base_cat, base_turn) if baseline else None,
+        "baseline": {**_baseline_summary(base_all, base_cat, base_turn), "dtype": _dtype_name(timed)} if baseline else None,
         "configs": [_config_summary(c, base_all if baseline else None, base_cat, base_turn) for c in configs],
     }
 
 
-def _evaluate_batched(target, configs: list[Config], prompts: list[EncodedPrompt], params: SamplingParams,
+def _evaluate_batched(target, timed, configs: list[Config], prompts: list[EncodedPrompt], params: SamplingParams,
                       max_new_tokens: int, eos: list[int], seed: int, baseline: bool, progress: bool,
                       batch_size: int) -> dict:
     """`evaluate` over batches of `batch_size` prompts (see the module docstring)."""
@@ -149,7 +157,7 @@ def _evaluate_batched(target, configs: list[Config], prompts: list[EncodedPrompt
     base_all, base_cat, base_turn = BaselineTally(), {}, {}
     if batches:  # untimed warm-up of every path on two rows (first-call allocations; a full batch costs minutes)
         first = [prompts[i].ids for i in batches[0][:2]]
-        target_decode_batch(target, first, min(8, max_new_tokens), params, eos, seed)
+        target_decode_batch(timed, first, min(8, max_new_tokens), params, eos, seed)
         for config in configs:
             _decode_batch(config, first, min(8, max_new_tokens), [seed + i for i in batches[0][:2]])
     bar = tqdm(total=len(prompts) * (len(configs) + int(baseline)), desc="eval", unit="decode",
@@ -158,10 +166,12 @@ def _evaluate_batched(target, configs: list[Config], prompts: list[EncodedPrompt
         rows = [prompts[i].ids for i in batch]
         references = [None] * len(batch)
         if baseline:
-            start = _clock(target.device)
-            references = target_decode_batch(target, rows, max_new_tokens, params, eos, seed + batch[0])
-            share = (_clock(target.device) - start) / len(batch)
-            for i, tokens in zip(batch, references):
+            start = _clock(timed.device)
+            alone = target_decode_batch(timed, rows, max_new_tokens, params, eos, seed + batch[0])
+            share = (_clock(timed.device) - start) / len(batch)
+            same = timed is target or not params.greedy  # else the references in the decodes' precision
+            references = alone if same else target_decode_batch(target, rows, max_new_tokens, params, eos, seed + batch[0])
+            for i, tokens in zip(batch, alone):
                 item = prompts[i]
                 for tally in (base_all, base_cat.setdefault(item.prompt.category, BaselineTally()),
                               base_turn.setdefault(item.turn, BaselineTally())):
@@ -179,7 +189,11 @@ def _evaluate_batched(target, configs: list[Config], prompts: list[EncodedPrompt
         if configs:
             bar.set_postfix(tau=f"{1 + configs[0].overall.accepted / max(configs[0].overall.rounds, 1):.2f}")
     bar.close()
-    return _summaries(configs, baseline, base_all, base_cat, base_turn)
+    return _summaries(configs, baseline, base_all, base_cat, base_turn, timed)
+
+
+def _dtype_name(model) -> str:
+    return str(model.dtype).replace("torch.", "")
 
 
 def _decode_batch(config: Config, rows: list[list[int]], max_new_tokens: int, seeds: list[int]) -> list:

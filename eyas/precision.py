@@ -13,10 +13,8 @@ So `auto` means bf16 only where it is native:
   `train.mixed_precision` (auto -> bf16 or no).
 - `regenerate_dtype(setting, target_dtype, device)`: the weights dtype for
   `data.regenerate_dtype` (auto -> bfloat16 or float32/float16; empty -> target.dtype).
-- `eval_dtype(setting, target_dtype, device)`: the weights dtype `eyas eval` runs the target in,
-  for `eval.target_dtype` (auto -> target.dtype when the recipe sets one, else bfloat16 where
-  native and float32 elsewhere; fp32 / bf16 force one). The eval compares its outputs with the
-  same target in the same dtype.
+- `eyas eval`'s target precision (`eval.target_dtype`) is decided by measuring, since bf16 must
+  also be exact for a T=0 eval: `eyas.eval.target_precision`.
 
 A recipe that forces bf16 on a CPU without native bf16 is obeyed, with one warning line on
 stderr giving the measured slowdown and the setting to change.
@@ -143,23 +141,3 @@ def regenerate_dtype(setting: str, target_dtype: str, device: Any = None) -> str
     if setting == "bfloat16":
         warn_slow_bf16("data.regenerate_dtype", setting, device)
     return setting
-
-
-EVAL_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
-
-
-def eval_dtype(setting: str, target_dtype: str, device: Any = None) -> str:
-    """The weights dtype the eval's target runs in, as a `target.dtype` value, for `eval.target_dtype`.
-
-    auto -> `target_dtype` when the recipe sets one (not auto), else bfloat16 where bf16 is native
-    and float32 elsewhere: on a CPU without AMX / AVX512-BF16 bf16 is emulated, slower than fp32
-    for the verifies of several tokens and, measured on SmolLM2, not greedy-exact (docs/results.md,
-    Decoder overhead and precision). fp32 / bf16 force one; bf16 on a CPU without native bf16 is
-    obeyed with one warning line."""
-    if setting == "auto":
-        if target_dtype != "auto":
-            return target_dtype
-        return "bfloat16" if native_bf16(device) else "float32"
-    if setting == "bf16":
-        warn_slow_bf16("eval.target_dtype", setting, device)
-    return EVAL_DTYPES[setting]

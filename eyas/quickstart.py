@@ -242,15 +242,10 @@ def _train_step(session: Session, say: Say) -> tuple[bool, Any]:
 
 
 def _eval_header(session: Session) -> str:
-    # the precision eval runs the target in: the faster one on this machine (eyas.precision.eval_dtype)
-    from eyas.precision import eval_dtype
-    from eyas.targets import pick_device  # with eval_dtype: only the eval part needs them
-
     recipe = session.recipe
-    checkpoint = session.draft()
-    dtype = eval_dtype(recipe.eval.target_dtype, recipe.target.dtype, pick_device(recipe.target.device))
-    return (f"speculative decoding with {checkpoint} on {recipe.eval.max_prompts} prompts, "
-            f"target in {dtype} (eval.target_dtype={recipe.eval.target_dtype})")
+    # the precision itself is decided (measured once per machine and target) and printed by the eval
+    return (f"speculative decoding with {session.draft()} on {recipe.eval.max_prompts} prompts, "
+            f"target precision: eval.target_dtype={recipe.eval.target_dtype}")
 
 
 def _eval_step(session: Session, say: Say) -> tuple[bool, Any]:

@@ -1,7 +1,7 @@
 """The eval's target precision (`eval.target_dtype`) and greedy exactness in it.
 
-- `eval_dtype` picks bf16 only where the machine runs it natively (else fp32), keeps an explicit
-  target.dtype, and obeys fp32 / bf16.
+- `auto` picks bf16 only where the machine measured it exact (T=0) and faster (else fp32, its
+  baseline timed in the fastest precision), keeps an explicit target.dtype, and obeys fp32 / bf16.
 - In bf16 the speculative decoder's output is the bf16 target's own greedy decode (tiny Llama
   and Qwen2 targets, chain / static tree / dynamic tree, a draft that accepts everything and one
   that is often rejected), compared with the same target in the same precision as the eval's
@@ -31,20 +31,84 @@ GREEDY = SamplingParams(0.0)
 SHAPES = ["chain:4", "tree:[[0],[1],[2],[0,0],[0,1],[1,0],[0,0,0],[0,0,0,0]]", "dynamic:depth=4,topk=3,nodes=12"]
 
 
+def _probe(bf16_speed: float, bf16_mismatches: int, fp32_speed: float = 10.0) -> dict:
+    """A faked measurement (eval.target_precision.measured) of a machine."""
+    def one(speed, mismatches, dtype):
+        return {"tokens_per_s": speed, "positions": 282, "mismatches": mismatches, "exact": mismatches == 0,
+                "dtype": dtype}
+    return {"float32": one(fp32_speed, 0, "float32"), "bfloat16": one(bf16_speed, bf16_mismatches, "bfloat16")}
+
+
+@pytest.mark.parametrize("native,probe,temperature,expected,baseline", [
+    (False, None, 0.0, "float32", "float32"),              # emulated bf16 (AVX2): not even measured
+    (True, _probe(15.0, 0), 0.0, "bfloat16", "bfloat16"),   # exact and faster (an AMX CPU, a GPU): bf16
+    (True, _probe(15.0, 3), 0.0, "float32", "bfloat16"),    # faster, not exact: fp32, timed against bf16
+    (True, _probe(15.0, 3), 0.7, "bfloat16", "bfloat16"),   # T > 0 samples: exactness is not asked
+    (True, _probe(8.0, 0), 0.0, "float32", "float32"),      # exact but slower (AVX512-BF16 on SmolLM2): fp32
+])
+def test_auto_picks_bf16_only_where_measured_exact_and_faster(monkeypatch, native, probe, temperature, expected,
+                                                              baseline):
+    from eyas.config import TargetConfig
+    from eyas.eval import target_precision
+
+    monkeypatch.setattr(target_precision, "native_bf16", lambda device=None: native)
+
+    def measured(target, device):
+        assert native, "bf16 measured on a machine without native bf16"
+        return probe
+    monkeypatch.setattr(target_precision, "measured", measured)
+    chosen = target_precision.choose(TargetConfig(path="x"), "auto", temperature)
+    assert (chosen.dtype, chosen.baseline_dtype) == (expected, baseline)
+    assert chosen.reason.startswith(expected) and chosen.probe is probe
+
+
 @pytest.mark.parametrize("native,target_dtype,setting,expected", [
-    (False, "auto", "auto", "float32"),      # a CPU without AMX / AVX512-BF16: fp32 is the faster
-    (True, "auto", "auto", "bfloat16"),      # native bf16 (AMX, AVX512-BF16, an Ampere+ GPU)
     (True, "float16", "auto", "float16"),    # a target.dtype the recipe sets is kept
     (True, "auto", "fp32", "float32"),       # fp32 for comparisons with earlier reports
     (False, "auto", "bf16", "bfloat16"),     # forced, with a warning line
 ])
-def test_eval_dtype_is_the_native_fast_one_unless_set(monkeypatch, capsys, native, target_dtype, setting, expected):
+def test_a_set_precision_is_obeyed_unmeasured(monkeypatch, capsys, native, target_dtype, setting, expected):
+    from eyas.config import TargetConfig
+    from eyas.eval import target_precision
+
     monkeypatch.setattr(precision, "native_bf16", lambda device=None: native)
     monkeypatch.setattr(precision, "_warned", set())
     monkeypatch.setattr(precision, "bf16_ratio", lambda: 3.0)
-    assert precision.eval_dtype(setting, target_dtype, "cpu") == expected
+    monkeypatch.setattr(target_precision, "measured", lambda target, device: pytest.fail("measured a set precision"))
+    chosen = target_precision.choose(TargetConfig(path="x", dtype=target_dtype), setting, 0.0)
+    assert (chosen.dtype, chosen.baseline_dtype, chosen.probe) == (expected, expected, None)
     warning = capsys.readouterr().err
     assert ("eval.target_dtype: bf16 on a CPU without native bf16" in warning) == (setting == "bf16" and not native)
+
+
+def test_the_probe_measures_once_per_machine_and_target(tmp_path, tiny_llama_dir, monkeypatch):
+    """The real probe on a tiny target: fp32 verifies equal its 1-token decode at every position; the figures
+    are cached, so a second eval on the same machine and target measures nothing."""
+    from eyas.config import TargetConfig
+    from eyas.eval import target_precision
+
+    monkeypatch.setenv("EYAS_CACHE", str(tmp_path / "cache"))
+    calls = []
+    real = target_precision.probe_dtype
+    monkeypatch.setattr(target_precision, "probe_dtype", lambda *a: calls.append(a[0].dtype) or real(*a))
+    first = target_precision.measured(TargetConfig(path=str(tiny_llama_dir)), torch.device("cpu"))
+    assert calls == [torch.float32, torch.bfloat16]
+    fp32 = first["float32"]
+    assert fp32["exact"] and fp32["mismatches"] == 0 and fp32["positions"] > 100 and fp32["tokens_per_s"] > 0
+    assert first["bfloat16"]["positions"] == fp32["positions"] or first["bfloat16"]["positions"] > 100
+    again = target_precision.measured(TargetConfig(path=str(tiny_llama_dir)), torch.device("cpu"))
+    assert again == first and len(calls) == 2
+    assert len(list((tmp_path / "cache" / "precision").glob("*.json"))) == 1
+
+
+def test_a_verify_that_rounds_differently_is_counted(tiny_llama_dir):
+    """verify_mismatches finds a target whose multi-token forward chooses otherwise than its 1-token steps."""
+    from eyas.eval.target_precision import verify_mismatches
+
+    target = load(tiny_llama_dir, torch.float32)
+    decoded = target_decode(target, [5, 6, 7, 8], 24, GREEDY, stop_token_ids(target))
+    assert verify_mismatches(target, [5, 6, 7, 8], decoded) == 0
+    assert verify_mismatches(target, [5, 6, 7, 8], [decoded[0]] + [(t + 1) % 300 + 3 for t in decoded[1:]]) > 0
 
 
 def load(path, dtype):
@@ -93,19 +157,37 @@ def near_tie(target, context: list[int], token_a: int, token_b: int) -> bool:
 
 
 def test_eval_runs_and_reports_the_precision_it_picked(tmp_path, tiny_llama_dir, monkeypatch, capsys):
+    """The eval decodes in the precision picked, times the target alone in the fastest one measured, compares
+    outputs with the target in the decodes' precision, and the table names both."""
+    from eyas.eval import target_precision
     from eyas.eval.cli import main
 
-    monkeypatch.setattr(precision, "native_bf16", lambda device=None: False)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "Hello there, how are you?"}) + "\n" +
                        json.dumps({"prompt": "What is the capital of France?"}) + "\n")
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"run: {{name: r1, output_dir: {tmp_path / 'runs'}}}\ntarget: {{path: {tiny_llama_dir}}}\n"
                       f"eval: {{drafts: ['truncated:2'], shapes: ['chain:3'], max_new_tokens: 12, prompts: {prompts}}}\n")
-    for setting, dtype in (("auto", "float32"), ("bf16", "bfloat16")):
+    monkeypatch.setattr(target_precision, "native_bf16", lambda device=None: True)
+    monkeypatch.setattr(target_precision, "measured", lambda target, device: _probe(15.0, 3))  # faster, inexact
+    for setting, dtype, baseline in (("auto", "float32", "bfloat16"), ("bf16", "bfloat16", "bfloat16"),
+                                     ("fp32", "float32", "float32")):
         out = tmp_path / setting
         assert main([str(recipe), f"eval.target_dtype={setting}", f"eval.output={out}", "--no-progress"]) == 0
         report = json.loads((out / "report.json").read_text())
         assert report["target"]["dtype"] == dtype and report["target"]["dtype_setting"] == setting
+        assert report["target"]["baseline_dtype"] == report["baseline"]["dtype"] == baseline
         assert report["configs"][0]["overall"]["greedy_match"] == {"matched": 2, "compared": 2}
-        assert f"({dtype}): T=0" in capsys.readouterr().out
+        shown = capsys.readouterr().out
+        assert f"({dtype}): T=0" in shown and f"target alone ({baseline})" in shown
+
+
+def test_a_bf16_table_says_why_outputs_may_differ():
+    from eyas.eval.report import rounding_note
+
+    def report(dtype, matched):
+        return {"settings": {"temperature": 0.0}, "target": {"dtype": dtype, "dtype_reason": "bfloat16: set by x"},
+                "configs": [{"overall": {"greedy_match": {"matched": matched, "compared": 8}}}]}
+    assert rounding_note(report("float32", 4)) is None and rounding_note(report("bfloat16", 8)) is None
+    note = rounding_note(report("bfloat16", 4))
+    assert "round differently" in note and "eval.target_dtype=fp32 is exact" in note

@@ -1,0 +1,177 @@
+"""The precision `eyas eval` runs its target in, decided by measuring this machine (`eval.target_dtype`).
+
+A bf16 target is faster on machines with native bf16 (a GPU, a CPU with AMX), but a verify over
+several tokens and a decode of one token sum in other orders, and bf16 rounds a near-tie into another
+token now and then: the speculative output then leaves the target's own greedy decode although no
+draft token was wrong. So `auto` (with no `target.dtype` set) measures, once per machine and target,
+cached under `<eyas cache>/precision/`:
+
+- `exact`: the target's 1-token greedy decode of a few fixed prompts, then the same tokens verified
+  in chunks of 2-8 over the KV cache (the decoder's verify: a chain mask, `row_invariant_attention`);
+  exact when every chunk's argmax equals the 1-token decode's at every position;
+- `tokens_per_s`: the target alone decoding those prompts (`target_decode`, the eval's baseline).
+
+`auto` picks bf16 where it is exact (at T > 0 exactness is not asked: the verify samples) and the
+target alone is faster in it, else fp32. fp32 is not probed for exactness: its last-bit differences
+have flipped no token in any run here, and the decoder's tests hold it to the greedy decode. On a
+CPU without native bf16 (no AMX, no AVX512-BF16) bf16 is emulated and slower; it is not measured.
+
+Whatever the eval's precision, its speedup is against the fastest target alone measured
+(`baseline_dtype`): where bf16 is faster but not exact, the eval runs in fp32 and its target-alone
+baseline in bf16, and the table names the baseline's precision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import platform
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from eyas.decode import SamplingParams, cache_kwarg, new_cache, stop_token_ids
+from eyas.io import atomic_write_json
+from eyas.precision import cpu_flags, native_bf16, warn_slow_bf16
+from eyas.targets import cache_dir, load_target, pick_device, target_identity
+
+EVAL_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # eval.target_dtype's forced values
+PROBE_VERSION = 1
+PROBE_TEXTS = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a refrigerator keeps food cold, step by step.",
+    "What are three good questions to ask at the end of a job interview?",
+    "Translate 'the weather is lovely today, let us walk to the harbour' into French and German.",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "List the planets of the solar system with one fact about each.",
+)
+PROBE_NEW_TOKENS = 48
+CHUNKS = (2, 3, 5, 8)  # verify widths, cycled: a chain of K=1, 2, 4, 7 drafts
+
+
+@dataclass(frozen=True)
+class EvalPrecision:
+    """The eval's target precision and the precision its target-alone baseline is timed in."""
+
+    dtype: str           # `target.dtype` value the speculative decodes and the =greedy reference run in
+    baseline_dtype: str  # the fastest measured; the speedup's denominator runs in it
+    reason: str          # one line for the report and the quickstart
+    probe: dict | None   # the measurement (None when nothing was measured)
+
+
+def choose(target: Any, setting: str, temperature: float) -> EvalPrecision:
+    """The eval's precision for `eval.target_dtype = setting` with the recipe's `target` settings."""
+    device = pick_device(target.device)
+    if setting != "auto":  # forced; bf16 on a CPU without native bf16 is obeyed with one warning line
+        if setting == "bf16":
+            warn_slow_bf16("eval.target_dtype", setting, device)
+        dtype = EVAL_DTYPES[setting]
+        return EvalPrecision(dtype, dtype, f"{dtype}: set by eval.target_dtype={setting}", None)
+    if target.dtype != "auto":
+        return EvalPrecision(target.dtype, target.dtype, f"{target.dtype}: set by target.dtype", None)
+    if not native_bf16(device):
+        return EvalPrecision("float32", "float32", "float32: bf16 is not native here (no AMX, no AVX512-BF16), "
+                             "so it is emulated and slower", None)
+    probe = measured(target, device)
+    fp32, bf16 = probe["float32"], probe["bfloat16"]
+    faster = bf16["tokens_per_s"] > fp32["tokens_per_s"]
+    baseline = "bfloat16" if faster else "float32"
+    speeds = f"target alone {bf16['tokens_per_s']:.1f} tokens/s in bf16, {fp32['tokens_per_s']:.1f} in fp32"
+    exact = f"bf16 verifies {'exact' if bf16['exact'] else 'not exact'} ({bf16['mismatches']} of {bf16['positions']} " \
+            f"positions differ from the 1-token decode)"
+    if faster and (bf16["exact"] or temperature > 0):
+        return EvalPrecision("bfloat16", baseline, f"bfloat16: measured faster and exact here ({speeds}; {exact})", probe)
+    why = "slower" if not faster else "not exact at T=0"
+    return EvalPrecision("float32", baseline, f"float32: bf16 measured {why} here ({speeds}; {exact})", probe)
+
+
+def measured(target: Any, device: Any) -> dict:
+    """The probe's figures for fp32 and bf16 on this machine and target, from the cache or measured now."""
+    from eyas.targets import load_target_config, load_tokenizer, resolve_target_path
+
+    folder = resolve_target_path(target.path)
+    config = load_target_config(target.path, trust_remote_code=bool(getattr(target, "trust_remote_code", False)))
+    identity = target_identity(config, load_tokenizer(target), folder)
+    key = _machine_key(device, identity)
+    path = cache_dir() / "precision" / f"{key}.json"
+    if path.is_file():
+        try:
+            return json.loads(path.read_text())
+        except ValueError:
+            pass  # a damaged cache file is measured again and rewritten
+    print("eyas eval: eval.target_dtype=auto: measuring this machine's fp32 and bf16 target once "
+          f"({len(PROBE_TEXTS)} prompts x {PROBE_NEW_TOKENS} tokens each; cached in {path})", flush=True)
+    probe = {dtype: probe_dtype(*load_target(dataclasses.replace(target, dtype=dtype), device))
+             for dtype in ("float32", "bfloat16")}
+    probe.update(target_identity=identity, machine=_machine(device), version=PROBE_VERSION)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, probe)
+    return probe
+
+
+def _machine(device: Any) -> dict:
+    info = {"device": str(device), "torch": torch.__version__, "platform": platform.platform()}
+    if torch.device(device).type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    else:
+        info["cpu"] = platform.processor() or platform.machine()
+        info["bf16_flags"] = sorted(f for f in (cpu_flags() or set()) if "bf16" in f or f.startswith("amx"))
+    return info
+
+
+def _machine_key(device: Any, identity: str) -> str:
+    import transformers
+
+    flags = sorted(cpu_flags() or set())
+    what = [PROBE_VERSION, identity, _machine(device), flags, transformers.__version__, torch.get_num_threads()]
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+@torch.inference_mode()
+def probe_dtype(target: Any, tokenizer: Any) -> dict:
+    """Target-alone speed and verify exactness of one loaded target (see the module docstring)."""
+    from eyas.eval.decoder import target_decode
+
+    eos = stop_token_ids(target, tokenizer)
+    prompts = [tokenizer(text).input_ids for text in PROBE_TEXTS]
+    target_decode(target, prompts[0], 4, SamplingParams(0.0), eos)  # warm-up: kernel selection, allocation
+    tokens, seconds, positions, mismatches = 0, 0.0, 0, 0
+    for prompt in prompts:
+        start = time.perf_counter()
+        decoded = target_decode(target, prompt, PROBE_NEW_TOKENS, SamplingParams(0.0), eos)
+        seconds += time.perf_counter() - start
+        tokens += len(decoded)
+        differ = verify_mismatches(target, prompt, decoded)
+        positions += len(decoded) - 1
+        mismatches += differ
+    return {"tokens_per_s": tokens / max(seconds, 1e-9), "positions": positions, "mismatches": mismatches,
+            "exact": mismatches == 0, "dtype": str(target.dtype).replace("torch.", "")}
+
+
+def verify_mismatches(target: Any, prompt: list[int], decoded: list[int]) -> int:
+    """Positions where a chunked verify of `decoded` (after `prompt`) chooses another token than the 1-token
+    decode did: the prompt is prefilled, then `decoded` goes through in chunks of CHUNKS widths, each chunk's
+    argmax at position i compared with decoded[i + 1], as a chain verify of all-correct drafts reads it."""
+    from eyas.eval.kv import row_invariant_attention, tree_mask
+
+    cache, cache_kw = new_cache(), cache_kwarg(target)
+    device = target.device
+    with row_invariant_attention(device, target.dtype):
+        target(input_ids=torch.tensor([prompt], device=device), use_cache=True, logits_to_keep=1, **{cache_kw: cache})
+        prefix, at, differ, width = len(prompt), 0, 0, 0
+        while at < len(decoded) - 1:
+            n = min(CHUNKS[width % len(CHUNKS)], len(decoded) - at)
+            chunk = decoded[at:at + n]
+            mask = tree_mask(target.config, prefix, torch.ones(n, n, dtype=torch.bool).tril(), list(range(n)),
+                             target.dtype, device)
+            logits = target(input_ids=torch.tensor([chunk], device=device),
+                            position_ids=torch.arange(prefix, prefix + n, device=device)[None],
+                            attention_mask=mask, use_cache=True, **{cache_kw: cache}).logits[0]
+            chosen = logits.argmax(-1).tolist()
+            following = decoded[at + 1:at + n + 1]
+            differ += sum(a != b for a, b in zip(chosen, following))
+            prefix, at, width = prefix + n, at + n, width + 1
+    return differ
