@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -172,6 +173,27 @@ def test_killed_dump_resumes_to_identical_shards(workspace, monkeypatch):
     assert len(a["shards"]) > 4
 
 
+# `eyas dump RECIPE` in a fresh process that, once its first shard is finished (in place, sidecar
+# written), writes the file argv[2] and holds the dump there (shard 1 is written meanwhile, not
+# finished), so a SIGKILL sent when the file appears always lands mid-dump. Never killed: exit 3.
+_DUMP_HELD_AFTER_ITS_FIRST_SHARD = """
+import os, sys, time
+from pathlib import Path
+from eyas.data import dump as dump_module
+
+finish = dump_module.ShardWriter.finish
+
+def finish_then_hold(writer):
+    record = finish(writer)
+    Path(sys.argv[2]).write_text(str(os.getpid()))
+    time.sleep(600)
+    os._exit(3)
+
+dump_module.ShardWriter.finish = finish_then_hold
+sys.exit(dump_module.main([sys.argv[1]]))
+"""
+
+
 @pytest.mark.slow
 def test_sigkilled_dump_resumes_to_identical_shards(workspace):
     full = _run(workspace, "uninterrupted")
@@ -181,14 +203,20 @@ def test_sigkilled_dump_resumes_to_identical_shards(workspace):
     recipe_file = workspace["root"] / "sigkilled.yaml"
     recipe_file.write_text(json.dumps(victim.to_dict()))
     shard_dir = victim.run_dir / "shards"
-    proc = subprocess.Popen([sys.executable, "-m", "eyas.data.dump", str(recipe_file)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not list(shard_dir.glob("shard-*.json")) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not (shard_dir / "manifest.json").exists(), "the dump finished before the kill; the test needs more shards"
+    first_shard, log = workspace["root"] / "sigkilled-first-shard", workspace["root"] / "sigkilled.log"
+    first_shard.unlink(missing_ok=True)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", _DUMP_HELD_AFTER_ITS_FIRST_SHARD, str(recipe_file), str(first_shard)],
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while not first_shard.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert first_shard.exists(), f"no shard finished (exit status {proc.poll()}): {log.read_text()[-2000:]}"
+    finally:
+        proc.send_signal(signal.SIGKILL)  # the dump is held after shard 0: the kill lands mid-dump
+        proc.wait()
+    assert (shard_dir / "shard-00000.json").exists() and not (shard_dir / "manifest.json").exists()
     dump(victim)
     reference = _run(workspace, "sigkill-reference", "dump.shard_tokens=150")
     dump(reference)
@@ -427,6 +455,13 @@ def test_ranks_write_disjoint_parts(workspace, monkeypatch):
     assert manifest["shards"] == expected["shards"] and manifest["vocab"] == expected["vocab"]
 
 
+def _free_port() -> int:
+    """A port nothing listens on now (bound to port 0, then released), instead of a fixed one another run may hold."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 @pytest.mark.slow
 def test_torchrun_two_processes_equal_one(workspace):
     single = _run(workspace, "uninterrupted")
@@ -436,7 +471,7 @@ def test_torchrun_two_processes_equal_one(workspace):
     recipe_file = workspace["root"] / "torchrun.yaml"
     recipe_file.write_text(json.dumps(two.to_dict()))
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
          "-m", "eyas.data.dump", str(recipe_file)], capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-2000:]

@@ -16,13 +16,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from train_helpers import make_workspace, new_run
+from train_helpers import make_workspace, new_run, pause_training_at
 
 from eyas import launch
 from eyas.train.checkpoint import list_checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
 TOTAL_STEPS = 20
+PAUSE_AT = 3  # the signalled run waits after this step until its signal arrives
 
 
 def _env() -> dict:
@@ -90,9 +91,11 @@ def test_signal_to_the_launcher_checkpoints_exits_zero_and_resumes(workspace, la
     name, signum = f"{launcher}_{signame}", getattr(signal, signame)
     run = new_run(workspace, name)
     command = _eyas_launch(*_launcher(launcher), "-m", "eyas.train", str(workspace["recipe"]), f"run.name={name}")
-    metrics = run / "logs" / "metrics.jsonl"
-    proc = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out, status = _signal_once(proc, lambda: metrics.is_file() and bool(metrics.read_text().strip()), signum)
+    pause = workspace["root"] / f"pause-{name}"
+    proc = subprocess.Popen(command, cwd=REPO, env=pause_training_at(PAUSE_AT, pause, _env()), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    # a rank waiting at PAUSE_AT: the run cannot end before the signal, nor pass that step
+    out, status = _signal_once(proc, lambda: any(pause.glob("rank*")), signum)
 
     assert status == 0, out[-5000:]
     assert "Traceback" not in out and "SignalException" not in out, out[-5000:]
@@ -102,7 +105,7 @@ def test_signal_to_the_launcher_checkpoints_exits_zero_and_resumes(workspace, la
     saved = list_checkpoints(run / "checkpoints")  # complete ones only: each is published whole
     assert len(saved) == 1 and not list((run / "checkpoints").glob("*.partial")), out[-3000:]
     step = json.loads((saved[0] / "trainer.json").read_text())["step"]
-    assert saved[0].name == f"step_{step:08d}" and 1 <= step < TOTAL_STEPS
+    assert saved[0].name == f"step_{step:08d}" and step == PAUSE_AT < TOTAL_STEPS
     assert (saved[0] / "model.safetensors").is_file() and (saved[0] / "state").is_dir()
     assert f"SIGTERM at step {step}: saved" in out  # the workers got SIGTERM, whichever signal the launcher got
     assert _steps(run) == list(range(1, step + 1))

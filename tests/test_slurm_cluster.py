@@ -10,11 +10,14 @@ preemption of the training job.
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
+from train_helpers import pause_training_at
 
 from eyas.slurm import local_cluster
 
@@ -76,24 +79,32 @@ def sbatch(cluster, script: Path, *options: str) -> str:
 
 def test_cluster_runs_array_tasks_side_by_side_and_chains(slurm_cluster, tmp_path):
     script = tmp_path / "array.sbatch"
+    started = tmp_path / "started"
+    started.mkdir()
+    # Each task marks its start, then waits (up to 60 s) for the other's mark before it ends. Task 0
+    # seeing task 1's mark while running, and task 1 seeing task 0's, means their runs overlapped
+    # however slowly each started; run one after the other, the first would never see the second.
     script.write_text(
         "#!/bin/bash\n#SBATCH --array=0-1\n#SBATCH --cpus-per-task=1\n"
         f"#SBATCH --output={tmp_path}/a-%A_%a.out\n"
-        'echo "task ${SLURM_ARRAY_TASK_ID} of ${SLURM_ARRAY_TASK_COUNT} start $(date +%s.%N)"; sleep 2\n'
+        'me=${SLURM_ARRAY_TASK_ID}; other=$((1 - me))\n'
+        'echo "task ${me} of ${SLURM_ARRAY_TASK_COUNT} start"\n'
+        f'touch {started}/$me\n'
+        f'for _ in $(seq 600); do [ -e {started}/$other ] && break; sleep 0.1; done\n'
+        f'if [ -e {started}/$other ]; then echo "task $me saw task $other running"; fi\n'
     )
     after = tmp_path / "after.sbatch"
     after.write_text(f"#!/bin/bash\n#SBATCH --output={tmp_path}/after-%j.out\nls {tmp_path} | grep -c '^a-'\n")
     array_id = sbatch(slurm_cluster, script)
     after_id = sbatch(slurm_cluster, after, f"--dependency=afterok:{array_id}")
-    states = wait_for(slurm_cluster, [array_id, after_id], timeout=90)
+    # room for a task that waits out its 60 s, so tasks run one after the other fail below, not here
+    states = wait_for(slurm_cluster, [array_id, after_id], timeout=180)
     assert set(states.values()) == {"COMPLETED"}, states
-    starts = {}
     for task in (0, 1):
         text = (tmp_path / f"a-{array_id}_{task}.out").read_text()
-        match = re.search(rf"task {task} of 2 start (\S+)", text)
-        assert match, text
-        starts[task] = float(match.group(1))
-    assert abs(starts[0] - starts[1]) < 1.5  # two 1-CPU tasks on the 2-core node run together
+        assert f"task {task} of 2 start" in text, text
+        # two 1-CPU tasks on the 2-core node run together
+        assert f"task {task} saw task {1 - task} running" in text, text
     assert (tmp_path / f"after-{after_id}.out").read_text().strip() == "2"
 
 
@@ -106,18 +117,28 @@ def test_requeued_job_restarts_within_seconds_and_appends(slurm_cluster, tmp_pat
         'if [ "${SLURM_RESTART_COUNT:-0}" = 0 ]; then scontrol requeue "${SLURM_JOB_ID}"; sleep 30; fi\n'
     )
     job_id = sbatch(slurm_cluster, script)
-    states = wait_for(slurm_cluster, [job_id], timeout=90)
+    # long enough for a rerun held back two minutes to finish, so a hold fails the checks below
+    states = wait_for(slurm_cluster, [job_id], timeout=300)
     assert states == {job_id: "COMPLETED"}
     runs = re.findall(r"run (\d+) at (\d+)", log.read_text())
     assert [r for r, _ in runs] == ["0", "1"], log.read_text()
-    assert int(runs[1][1]) - int(runs[0][1]) < 45  # cred_expire=10: no two-minute hold
+    # The hold as the controller recorded it: at the requeue it resets SubmitTime and makes the job
+    # eligible cred_expire + 1 s later (11 s here; 121 s with the default cred_expire=120).
+    record = dict(re.findall(r"(\w+)=(\S*)", slurm_cluster.run("scontrol", "-o", "show", "job", job_id).stdout))
+    seconds = {key: datetime.fromisoformat(record[key]).timestamp() for key in ("SubmitTime", "EligibleTime")}
+    assert record["Restarts"] == "1" and seconds["EligibleTime"] - seconds["SubmitTime"] < 60, record
+    # The rerun itself started before a two-minute hold could have ended (about 15 s here, the rest
+    # is room for a loaded machine; the default hold alone puts the rerun over 120 s after run 0).
+    assert int(runs[1][1]) - int(runs[0][1]) < 120
 
 
 # ----------------------------------------------------------------------------- the whole pipeline
 
-# Long enough (about 25 s at 12 steps/s here) that the USR1 sent after the first checkpoint lands
-# mid-run on a loaded machine: at 60 steps the whole training once ended before the signal came.
-TRAIN_STEPS = 300
+TRAIN_STEPS = 20
+# The preempted training waits after this step until its USR1 arrives (train_helpers.pause_training_at),
+# so the signal lands mid-run at a known step on a machine of any speed; past the first periodic
+# checkpoint (step 5) and off the save steps, so the preemption writes a checkpoint of its own.
+PAUSE_AT = 7
 
 
 def _tiny_recipe(path: Path, runs: Path, name: str, target: Path) -> Path:
@@ -186,6 +207,10 @@ def test_submit_all_on_a_real_cluster_with_preemption(slurm_cluster, tmp_path, t
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("SLURM_CONF", str(slurm_cluster.conf))
+    # sbatch passes the submitting environment on to every job, and srun and the launcher to the workers
+    pause = tmp_path / "pause"
+    for key, value in pause_training_at(PAUSE_AT, pause, dict(os.environ)).items():
+        monkeypatch.setenv(key, value)
     runs = tmp_path / "runs"
     recipe = _tiny_recipe(tmp_path / "tiny.yaml", runs, "slurm-tiny", tiny_llama_dir)
     _submit([str(recipe), "--stage", "all", "--nodes", "1", "--gpus-per-node", "0", "--procs-per-node", "2",
@@ -194,9 +219,8 @@ def test_submit_all_on_a_real_cluster_with_preemption(slurm_cluster, tmp_path, t
     jobs = _jobs(run_dir)
     assert list(jobs) == ["prepare", "dump", "dump_finalize", "train", "eval", "export"]
 
-    # Preempt the training job once it has written a periodic checkpoint (any: with keep_last 2 the
-    # first may already be pruned when the poll looks).
-    _wait_for_file((run_dir / "checkpoints", "step_*"), 600, slurm_cluster, jobs["train"])
+    # Preempt the training job once a rank waits at PAUSE_AT; the requeued run resumes past it and does not wait.
+    _wait_for_file((pause, "rank*"), 600, slurm_cluster, jobs["train"])
     slurm_cluster.run("scancel", "--signal=USR1", "--batch", jobs["train"])
     states = wait_for(slurm_cluster, list(jobs.values()), timeout=900)
     assert set(states.values()) == {"COMPLETED"}, states
@@ -229,7 +253,7 @@ def test_submit_all_on_a_real_cluster_with_preemption(slurm_cluster, tmp_path, t
     assert "USR1 received" in train_log and f"requeueing job {jobs['train']}" in train_log
     stopped = int(re.search(r"SIGUSR1 at step (\d+): saved", train_log).group(1))
     resumed = int(re.search(r"resumed from \S+ \(step (\d+)\)", train_log).group(1))
-    assert 5 <= stopped == resumed < TRAIN_STEPS
+    assert stopped == resumed == PAUSE_AT
     assert f"done at step {TRAIN_STEPS}" in train_log
 
     # eval + export ran on the trained draft.
@@ -240,6 +264,7 @@ def test_submit_all_on_a_real_cluster_with_preemption(slurm_cluster, tmp_path, t
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
 
     # The same training without interruption, on the same prepared data and shards.
+    monkeypatch.delenv("EYAS_TEST_PAUSE_DIR")  # no pause
     ref_recipe = _tiny_recipe(tmp_path / "ref.yaml", runs, "slurm-ref", tiny_llama_dir)
     ref_dir = runs / "slurm-ref"
     ref_dir.mkdir(parents=True)

@@ -1,6 +1,10 @@
-"""Synthetic tensors shaped like a shard batch, and small target configs, for the trainer tests."""
+"""Synthetic tensors shaped like a shard batch, and small target configs, for the trainer tests; a pause
+that holds launched trainers at a step until their stop signal arrives."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import torch
 
@@ -76,3 +80,59 @@ def new_run(ws: dict, name: str):
     for part in ("shards", "prepared"):
         (run / part).symlink_to(ws["root"] / "base" / part)
     return run
+
+
+# A sitecustomize (Python imports it at start-up from PYTHONPATH) that patches the trainer once
+# eyas.train.loop is imported, so the launched command stays the real one. Processes that never
+# import the trainer (launchers, other stages) are untouched.
+_PAUSE_SITECUSTOMIZE = """
+import importlib.abc, importlib.util, os, sys, time
+from pathlib import Path
+
+
+def _pause(loop):
+    at, folder = int(os.environ["EYAS_TEST_PAUSE_AT_STEP"]), Path(os.environ["EYAS_TEST_PAUSE_DIR"])
+    stop_requested = loop.Trainer._stop_requested
+
+    def paused(self, signals, stop_at_step):
+        if self.state.step == at:  # step `at` is done and logged; a resumed run starts past it
+            (folder / f"rank{os.environ.get('RANK', '0')}").write_text(str(os.getpid()))
+            deadline = time.monotonic() + 600
+            while signals.received is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return stop_requested(self, signals, stop_at_step)
+
+    loop.Trainer._stop_requested = paused
+
+
+class _PatchTheTrainer(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name != "eyas.train.loop":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            _pause(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if os.environ.get("EYAS_TEST_PAUSE_DIR"):
+    sys.meta_path.insert(0, _PatchTheTrainer())
+"""
+
+
+def pause_training_at(step: int, folder: Path, env: dict) -> dict:
+    """`env` plus what makes every trainer launched with it wait after optimizer step `step` until its
+    SIGTERM or SIGUSR1 has arrived (at most 10 minutes), each rank first writing `folder/rank<RANK>`.
+
+    A test that signals once such a file exists stops the run at exactly `step`, however slow the
+    machine: no training can end before the signal, and none is signalled before it started."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(_PAUSE_SITECUSTOMIZE)
+    path = os.pathsep.join(filter(None, [str(folder), env.get("PYTHONPATH", "")]))
+    return {**env, "PYTHONPATH": path, "EYAS_TEST_PAUSE_DIR": str(folder), "EYAS_TEST_PAUSE_AT_STEP": str(step)}
