@@ -34,9 +34,19 @@ from typing import Any
 import torch
 
 from eyas.decode import SamplingParams, cache_kwarg, new_cache, stop_token_ids
+from eyas.eval.decoder import target_decode
+from eyas.eval.kv import row_invariant_attention, tree_mask
 from eyas.io import atomic_write_json
 from eyas.precision import cpu_flags, native_bf16, warn_slow_bf16
-from eyas.targets import cache_dir, load_target, pick_device, target_identity
+from eyas.targets import (
+    cache_dir,
+    load_target,
+    load_target_config,
+    load_tokenizer,
+    pick_device,
+    resolve_target_path,
+    target_identity,
+)
 
 EVAL_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # eval.target_dtype's forced values
 PROBE_VERSION = 1
@@ -90,8 +100,6 @@ def choose(target: Any, setting: str, temperature: float) -> EvalPrecision:
 
 def measured(target: Any, device: Any) -> dict:
     """The probe's figures for fp32 and bf16 on this machine and target, from the cache or measured now."""
-    from eyas.targets import load_target_config, load_tokenizer, resolve_target_path
-
     folder = resolve_target_path(target.path)
     config = load_target_config(target.path, trust_remote_code=bool(getattr(target, "trust_remote_code", False)))
     identity = target_identity(config, load_tokenizer(target), folder)
@@ -133,8 +141,6 @@ def _machine_key(device: Any, identity: str) -> str:
 @torch.inference_mode()
 def probe_dtype(target: Any, tokenizer: Any) -> dict:
     """Target-alone speed and verify exactness of one loaded target (see the module docstring)."""
-    from eyas.eval.decoder import target_decode
-
     eos = stop_token_ids(target, tokenizer)
     prompts = [tokenizer(text).input_ids for text in PROBE_TEXTS]
     target_decode(target, prompts[0], 4, SamplingParams(0.0), eos)  # warm-up: kernel selection, allocation
@@ -155,8 +161,6 @@ def verify_mismatches(target: Any, prompt: list[int], decoded: list[int]) -> int
     """Positions where a chunked verify of `decoded` (after `prompt`) chooses another token than the 1-token
     decode did: the prompt is prefilled, then `decoded` goes through in chunks of CHUNKS widths, each chunk's
     argmax at position i compared with decoded[i + 1], as a chain verify of all-correct drafts reads it."""
-    from eyas.eval.kv import row_invariant_attention, tree_mask
-
     cache, cache_kw = new_cache(), cache_kwarg(target)
     device = target.device
     with row_invariant_attention(device, target.dtype):

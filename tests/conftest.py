@@ -40,9 +40,9 @@ def tiny_qwen3_moe_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def parity_drafts(tmp_path_factory) -> dict:
-    """The real-data eagle3 and eagle drafts the vLLM tests serve, trained once per session
-    (`tests/test_vllm_parity.py`); the other drafts served train on the same prepared data and shards.
-    EYAS_PARITY_RUN_DIR keeps (and reuses) them between runs."""
+    """The real-data eagle3 draft the vLLM tests serve, trained once per session (`tests/test_vllm_parity.py`);
+    the other drafts served train on the same prepared data and shards when a test first serves them.
+    EYAS_PARITY_RUN_DIR keeps (and reuses) them between runs: CI points every tier at one folder."""
     from test_vllm_parity import train_parity_drafts
 
     keep = os.environ.get("EYAS_PARITY_RUN_DIR")
@@ -51,16 +51,18 @@ def parity_drafts(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="session")
 def served(parity_drafts, tmp_path_factory):
-    """dtype -> the vLLM parity measurement of every draft `tests/test_vllm_parity.py` serves at that dtype
-    (SERVED), made once per session: the mtp test reads the same fp32 measurement."""
-    from test_vllm_parity import measure_served
+    """(dtype, front) -> the vLLM parity measurement of every draft `tests/test_vllm_parity.py` serves at that
+    dtype in the front (FRONT) or the `serving` tier (SERVED), made once per session: the mtp test reads the
+    same fp32 measurement as the other serving rows."""
+    from test_vllm_parity import FRONT, SERVED, measure_served
 
-    measured: dict[str, dict] = {}
+    measured: dict[tuple[str, bool], dict] = {}
 
-    def at(dtype: str) -> dict:
-        if dtype not in measured:
-            measured[dtype] = measure_served(parity_drafts, dtype, tmp_path_factory.mktemp(f"vllm-{dtype}"))
-        return measured[dtype]
+    def at(dtype: str, front: bool = False) -> dict:
+        if (dtype, front) not in measured:
+            out = tmp_path_factory.mktemp(f"vllm-{dtype}{'-front' if front else ''}")
+            measured[dtype, front] = measure_served(parity_drafts, dtype, out, FRONT if front else SERVED)
+        return measured[dtype, front]
     return at
 
 

@@ -105,6 +105,7 @@ def smoke_runs(request, tmp_path_factory):
 
 @pytest.mark.parametrize("script", [pytest.param(p.name, id=p.stem, marks=[pytest.mark.slow] if p.name in SLOW else [])
                                     for p in scripts()])
+@pytest.mark.bench
 @pytest.mark.timeout(3000)  # it waits for the scripts queued before it; each run has its own TIMEOUT_S
 def test_script_runs_in_smoke_mode(script: str, smoke_runs):
     path = BENCHMARKS / script

@@ -195,6 +195,7 @@ sys.exit(dump_module.main([sys.argv[1]]))
 
 
 @pytest.mark.slow
+@pytest.mark.cluster
 def test_sigkilled_dump_resumes_to_identical_shards(workspace):
     full = _run(workspace, "uninterrupted")
     if not (full.run_dir / "shards" / "manifest.json").exists():
@@ -463,6 +464,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.cluster
 def test_torchrun_two_processes_equal_one(workspace):
     single = _run(workspace, "uninterrupted")
     if not (single.run_dir / "shards" / "manifest.json").exists():

@@ -106,6 +106,7 @@ def test_without_vllm_the_dump_says_how_to_install_it(workspace, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.serving
 def test_the_vllm_dump_stores_the_transformers_features(workspace, vllm_dump, monkeypatch):
     """Same plan, same layout, same tokens; every feature value within one fp16 step plus 2e-6 of the
     transformers dump's. Before encoding the two engines' fp32 values agree within 1.3e-7 (layers) and
@@ -145,6 +146,7 @@ def test_the_vllm_dump_stores_the_transformers_features(workspace, vllm_dump, mo
 
 
 @pytest.mark.slow
+@pytest.mark.serving
 def test_a_draft_trains_alike_from_either_backend(workspace, vllm_dump):
     """An eagle3 draft trained from each backend's shards (same seed, settings and 16 steps): the loss of every step
     and every trained tensor agree. Measured (fp32, CPU): losses within 2.0e-5 of each other (relative, while they

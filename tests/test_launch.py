@@ -86,6 +86,7 @@ def _steps(run: Path) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.cluster
 @pytest.mark.parametrize("launcher, signame", [("torchrun", "SIGTERM"), ("accelerate", "SIGINT")])
 def test_signal_to_the_launcher_checkpoints_exits_zero_and_resumes(workspace, launcher, signame):
     name, signum = f"{launcher}_{signame}", getattr(signal, signame)
@@ -127,6 +128,7 @@ time.sleep(120)
 
 
 @pytest.mark.slow
+@pytest.mark.cluster
 @pytest.mark.parametrize("worker_exit", [3, 143])
 def test_workers_that_do_not_exit_zero_keep_a_non_zero_status(tmp_path, worker_exit):
     """3: a failure keeps torchrun's own report and status; 143: eyas's stop before a save, one line, 128 + 15."""

@@ -21,6 +21,8 @@ from train_helpers import pause_training_at
 
 from eyas.slurm import local_cluster
 
+pytestmark = pytest.mark.cluster
+
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 

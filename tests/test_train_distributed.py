@@ -22,7 +22,7 @@ from train_helpers import make_workspace, new_run
 
 from eyas.train.metrics import first_loss_difference, logged_losses
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 REPO = Path(__file__).resolve().parents[1]
 
 

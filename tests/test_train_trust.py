@@ -307,6 +307,7 @@ def _launch_zero2(recipe: Path, *overrides: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+@pytest.mark.cluster
 def test_deepspeed_two_processes_resume_a_signed_state_and_refuse_a_crafted_one(workspace, tmp_path):
     """DeepSpeed unpickles its checkpoint without restrictions on every rank: a crafted model-states
     file is refused on both ranks before DeepSpeed opens it, while a signed state resumes."""

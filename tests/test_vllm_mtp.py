@@ -32,7 +32,7 @@ import pytest
 from test_vllm_parity import MTP_FEED, MTP_LAYERS, SERVED
 
 # Training the drafts runs in the first test's fixture: past the suite's 900 s default.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
+pytestmark = [pytest.mark.slow, pytest.mark.serving, pytest.mark.timeout(3600)]
 
 KS = SERVED["float32"]["mtp"]
 

@@ -18,9 +18,11 @@ tests check:
   prompts, within the tolerance derived in `eyas.eval.engine_vllm.parity_tolerance` (fp32:
   verify for verify for the drafts trained beside).
 
-`SERVED` lists what each precision serves. Every fp32 row shares one vLLM process and one
+`FRONT` lists what the README's `pytest` serves (the eagle3 draft, fp32, K=3), `SERVED` what the
+`serving` tier serves in each precision. Every fp32 row of a tier shares one vLLM process and one
 eyas eval, the bf16 rows another: an engine start, the target-alone run and the eyas baseline
-are paid once per precision, not once per draft.
+are paid once per precision and tier, not once per draft. Only the eagle3 draft is trained
+before the first test; the others train when a test of the serving tier first serves them.
 
 vLLM must be installed (`.ci/run` installs it, see the README); these tests fail rather than
 skip when it is missing or cannot start. Both engines' figures go to the test log (`-s`) and to
@@ -66,15 +68,15 @@ BASE_RECIPE = {
     "train": {"token_budget": 1024, "lr": 1.0e-3, "warmup_steps": 8, "ttt_steps": 3, "mixed_precision": "auto",
               "eval_every": 0, "save_every": 0, "log_every": 10, "eval_batches": 2},
 }
-# Served in fp32 and bf16 (trained by the session fixture `parity_drafts`, which prepares and dumps).
-KINDS = {"eagle3": {"draft": {"kind": "eagle3"}, "train": {"epochs": 12}},
-         # EAGLE-1 predicts over the full 49,152-token vocabulary: each step costs ~4x more.
-         "eagle": {"draft": {"kind": "eagle"}, "train": {"epochs": 8}}}
+# Trained by the session fixture `parity_drafts`, which prepares and dumps: the front's draft.
+KINDS = {"eagle3": {"draft": {"kind": "eagle3"}, "train": {"epochs": 12}}}
 MTP_LAYERS = 3
 MTP_FEED = os.environ.get("EYAS_MTP_FEED", "target")  # `chain` runs tests/test_vllm_mtp.py with the other feed
-# Trained beside the two above on their prepared data and shards (the eagle3 dump holds the fused layers the
-# parallel drafters read and the last hidden state an mtp head reads), served in fp32.
-BESIDE = {"eagle3-norms": {"draft": {"kind": "eagle3", "eagle3_norm_before_fc": True,
+# Trained beside eagle3 on its prepared data and shards when a test first serves them (the eagle3 dump holds
+# the fused layers the parallel drafters read and the last hidden state an mtp and an EAGLE-1 head read).
+BESIDE = {# EAGLE-1 predicts over the full 49,152-token vocabulary: each step costs ~4x more.
+          "eagle": {"draft": {"kind": "eagle"}, "train": {"epochs": 8}},
+          "eagle3-norms": {"draft": {"kind": "eagle3", "eagle3_norm_before_fc": True,
                                      "eagle3_norm_before_residual": True}, "train": {"epochs": 12},
                            "export": {"to": "vllm"}},  # SGLang has no such variant: refused with sglang
           "dflash": {"draft": {"kind": "dflash", "num_steps": 3, "num_layers": 1},
@@ -83,10 +85,12 @@ BESIDE = {"eagle3-norms": {"draft": {"kind": "eagle3", "eagle3_norm_before_fc": 
           # target feed, full vocabulary: engines run MTP through the target's lm_head
           "mtp": {"draft": {"kind": "mtp", "num_steps": MTP_LAYERS, "mtp_feed": MTP_FEED, "use_draft_vocab": False},
                   "train": {"epochs": 4, "lr": 2.0e-3, "ttt_steps": MTP_LAYERS}}}
-# draft -> the Ks each precision serves it at. bf16 at K=3 only: its K=1 row shows nothing the K=3 row (its
-# first position) and the fp32 K=1 row do not. The drafts beside: fp32, K=3 (mtp K=1 too: its plugin runs
-# one layer per step, and K=1 is the one-layer case).
-SERVED = {"float32": {"eagle3": (1, 3), "eagle": (1, 3), "mtp": (1, 3), "eagle3-norms": (3,), "dflash": (3,),
+# draft -> the Ks each precision serves it at, per tier (one vLLM process and one eyas eval per precision and
+# tier). The front (the README's `pytest`) serves the eagle3 draft at fp32, K=3; the `serving` tier the rest.
+# bf16 at K=3 only: its K=1 row shows nothing the K=3 row (its first position) and the fp32 K=1 row do not.
+# The drafts beside: fp32, K=3 (mtp K=1 too: its plugin runs one layer per step, and K=1 is the one-layer case).
+FRONT = {"float32": {"eagle3": (3,)}}
+SERVED = {"float32": {"eagle3": (1,), "eagle": (1, 3), "mtp": (1, 3), "eagle3-norms": (3,), "dflash": (3,),
                       "peagle": (3,)},
           "bfloat16": {"eagle3": (3,), "eagle": (3,)}}
 
@@ -102,7 +106,8 @@ def _recipe(root: Path, kind: str) -> Path:
 
 
 def train_parity_drafts(root: Path) -> dict[str, Path]:
-    """Prepare + dump once, train the KINDS heads (a stage whose output is in `root` already is skipped)."""
+    """Prepare + dump once, train the KINDS heads (a stage whose output is in `root` already is skipped: CI
+    points EYAS_PARITY_RUN_DIR of every tier at one folder, so the front's data and draft serve the tiers)."""
     from eyas.config import load_recipe
     from eyas.data.dump import dump
 
@@ -190,9 +195,9 @@ def training_openings(run_dir: Path, out: Path, count: int) -> list:
     return load_prompts(str(prompt_file), None, count)[0]
 
 
-def measure_served(drafts: dict[str, Path], dtype: str, out: Path) -> dict:
-    """Every draft SERVED at `dtype` (the ones beside trained here first), in one eyas eval and one vLLM process."""
-    wanted = SERVED[dtype]
+def measure_served(drafts: dict[str, Path], dtype: str, out: Path, served: dict = SERVED) -> dict:
+    """Every draft `served` at `dtype` (the ones beside trained here first), in one eyas eval and one vLLM process."""
+    wanted = served[dtype]
     checkpoints = {name: drafts[name] if name in drafts else train_beside(drafts, name) for name in wanted}
     if "mtp" in wanted:
         mtp_plugin_visible()
@@ -267,14 +272,22 @@ def _report(report: dict, out: Path, key: str) -> dict:
     return report
 
 
-ROWS = [(dtype, kind, k) for dtype, drafts in SERVED.items() for kind in KINDS for k in drafts[kind]]
+def _row(dtype: str, kind: str, k: int):
+    """One served row, in the front if FRONT serves it, else in the `serving` tier."""
+    front = k in FRONT.get(dtype, {}).get(kind, ())
+    return pytest.param(dtype, kind, k, id=f"{dtype}-{k}-{kind}", marks=() if front else pytest.mark.serving)
 
 
-@pytest.mark.parametrize("dtype, kind, k", ROWS, ids=[f"{d}-{k}-{kind}" for d, kind, k in ROWS])
+ROWS = [_row(dtype, kind, k) for dtype in SERVED for kind in ("eagle3", "eagle")
+        for k in sorted({*FRONT.get(dtype, {}).get(kind, ()), *SERVED[dtype][kind]})]
+
+
+@pytest.mark.parametrize("dtype, kind, k", ROWS)
 def test_vllm_serves_the_export_with_eyas_acceptance(served, dtype, kind, k):
-    check_parity_row(served(dtype), kind, k)
+    check_parity_row(served(dtype, front=k in FRONT.get(dtype, {}).get(kind, ())), kind, k)
 
 
+@pytest.mark.serving
 def test_vllm_serves_the_norm_variant_export(served):
     """norm_before_fc + norm_before_residual: the export carries the flags and `input_norm`, and vLLM's
     counts equal eyas's as for the plain eagle3 draft (fp32, K=3)."""
@@ -300,6 +313,7 @@ PARALLEL_EXPORT = {"dflash": lambda config, export: config["architectures"] == [
                    and config["mask_token_id"] >= 0}
 
 
+@pytest.mark.serving
 @pytest.mark.parametrize("kind", list(PARALLEL_EXPORT))
 def test_vllm_serves_the_parallel_drafting_export(served, kind):
     """vLLM drafts what eyas's decoder drafts with a DFlash draft (non-causal block, context keys from the
@@ -315,6 +329,7 @@ def test_vllm_serves_the_parallel_drafting_export(served, kind):
     assert_same_counts(fp32, kind, 3)
 
 
+@pytest.mark.serving
 def test_eval_engine_auto_serves_the_draft_in_vllm(parity_drafts, tmp_path, capsys):
     """`eyas eval` with `eval.engine: auto` (the quickstart's) where vLLM is installed: the draft is exported
     and served beside eyas's decoder on the run's held-out prompts, and the quickstart's lines print each
@@ -356,6 +371,7 @@ MOE_RECIPE = {
 }
 
 
+@pytest.mark.serving
 def test_vllm_serves_the_eagle3_draft_of_an_moe_target_with_eyas_acceptance(tiny_qwen3_moe_dir, tmp_path):
     """An eagle3 draft of an MoE target: prepared, dumped and trained by eyas, exported, served by vLLM beside
     the target's own MoE layers; at T=0 in fp32 every output is the target's greedy one in both engines, and
@@ -456,6 +472,7 @@ def _first_difference(a: str, b: str) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+@pytest.mark.serving
 def test_regeneration_through_vllm_serve_equals_the_builtin_loop(tmp_path, smollm2_dir):
     """`data.regenerate_endpoint` against a real `vllm serve` (loopback, bounded, stopped by PID)."""
     rows = chitchat_openings(24)
@@ -477,6 +494,7 @@ def test_regeneration_through_vllm_serve_equals_the_builtin_loop(tmp_path, smoll
     assert sum(same) >= 0.75 * len(rows), "fewer than 3 in 4 replies equal: not a near-tie effect"
 
 
+@pytest.mark.serving
 def test_steered_two_turn_self_conversations_through_vllm_serve_resume_without_it(tmp_path, smollm2_dir):
     """`data.self_prompts` against a real `vllm serve`: the user turns through /v1/completions continue
     the open user turn under each category's steer, the replies through /v1/chat/completions; a second
