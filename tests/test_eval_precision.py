@@ -31,12 +31,12 @@ GREEDY = SamplingParams(0.0)
 SHAPES = ["chain:4", "tree:[[0],[1],[2],[0,0],[0,1],[1,0],[0,0,0],[0,0,0,0]]", "dynamic:depth=4,topk=3,nodes=12"]
 
 
-def _probe(bf16_speed: float, bf16_mismatches: int, fp32_speed: float = 10.0) -> dict:
+def _probe(bf16_speed: float, bf16_near_ties: int, fp32_speed: float = 10.0) -> dict:
     """A faked measurement (eval.target_precision.measured) of a machine."""
-    def one(speed, mismatches, dtype):
-        return {"tokens_per_s": speed, "positions": 282, "mismatches": mismatches, "exact": mismatches == 0,
-                "dtype": dtype}
-    return {"float32": one(fp32_speed, 0, "float32"), "bfloat16": one(bf16_speed, bf16_mismatches, "bfloat16")}
+    def one(speed, near_ties, dtype):
+        return {"tokens_per_s": speed, "positions": 282, "mismatches": 0, "near_ties": near_ties,
+                "max_logit_diff": 0.06 if near_ties else 0.0, "exact": near_ties == 0, "dtype": dtype}
+    return {"float32": one(fp32_speed, 0, "float32"), "bfloat16": one(bf16_speed, bf16_near_ties, "bfloat16")}
 
 
 @pytest.mark.parametrize("native,probe,temperature,expected,baseline", [
@@ -44,7 +44,8 @@ def _probe(bf16_speed: float, bf16_mismatches: int, fp32_speed: float = 10.0) ->
     (True, _probe(15.0, 0), 0.0, "bfloat16", "bfloat16"),   # exact and faster (an AMX CPU, a GPU): bf16
     (True, _probe(15.0, 3), 0.0, "float32", "bfloat16"),    # faster, not exact: fp32, timed against bf16
     (True, _probe(15.0, 3), 0.7, "bfloat16", "bfloat16"),   # T > 0 samples: exactness is not asked
-    (True, _probe(8.0, 0), 0.0, "float32", "float32"),      # exact but slower (AVX512-BF16 on SmolLM2): fp32
+    (True, _probe(8.0, 0), 0.0, "float32", "float32"),      # exact but slower: fp32
+    (True, _probe(10.3, 0), 0.0, "float32", "bfloat16"),    # within the timing noise (AVX512-BF16 on SmolLM2): fp32
 ])
 def test_auto_picks_bf16_only_where_measured_exact_and_faster(monkeypatch, native, probe, temperature, expected,
                                                               baseline):
@@ -101,14 +102,39 @@ def test_the_probe_measures_once_per_machine_and_target(tmp_path, tiny_llama_dir
     assert len(list((tmp_path / "cache" / "precision").glob("*.json"))) == 1
 
 
-def test_a_verify_that_rounds_differently_is_counted(tiny_llama_dir):
-    """verify_mismatches finds a target whose multi-token forward chooses otherwise than its 1-token steps."""
-    from eyas.eval.target_precision import verify_mismatches
+def test_the_probe_compares_each_verify_row_with_its_own_step(tiny_llama_dir, monkeypatch):
+    """Row i of the chunked verify is the logits that chose decoded[i + 1], as step i + 1 was: in fp32 the two
+    agree to rounding and choose alike. A verify whose logits differ by D makes every position whose top two
+    step logits lie within 2D a near-tie (inexact, though no token flipped); a verify equal to the steps
+    bit for bit is exact."""
+    from eyas.eval import target_precision
 
     target = load(tiny_llama_dir, torch.float32)
-    decoded = target_decode(target, [5, 6, 7, 8], 24, GREEDY, stop_token_ids(target))
-    assert verify_mismatches(target, [5, 6, 7, 8], decoded) == 0
-    assert verify_mismatches(target, [5, 6, 7, 8], [decoded[0]] + [(t + 1) % 300 + 3 for t in decoded[1:]]) > 0
+    decoded, steps = target_precision.decode_steps(target, [5, 6, 7, 8], 24, set())
+    verified = target_precision.verify_logits(target, [5, 6, 7, 8], decoded)
+    assert len(decoded) == 24 and verified.shape == (23, target.config.vocab_size)
+    assert verified.argmax(-1).tolist() == decoded[1:]
+    assert float((verified - steps[1:]).abs().max()) < 1e-4
+
+    gaps = steps[1:].topk(2, dim=-1).values
+    gaps = gaps[:, 0] - gaps[:, 1]
+    shift = float(gaps.median())  # half the positions lie within 2 x (shift / 2) of a tie
+    monkeypatch.setattr(target_precision, "PROBE_TEXTS", ("Hello there",))
+    monkeypatch.setattr(target_precision, "verify_logits",
+                        lambda t, p, d: target_precision.decode_steps(t, p, len(d), set())[1][1:len(d)] + shift / 2 *
+                        (torch.arange(target.config.vocab_size) % 2))
+    noisy = target_precision.probe_dtype(target, load_tokenizer_of(tiny_llama_dir))
+    assert noisy["near_ties"] > 0 and not noisy["exact"] and noisy["max_logit_diff"] == pytest.approx(shift / 2)
+    monkeypatch.setattr(target_precision, "verify_logits",
+                        lambda t, p, d: target_precision.decode_steps(t, p, len(d), set())[1][1:len(d)])
+    same = target_precision.probe_dtype(target, load_tokenizer_of(tiny_llama_dir))
+    assert same["exact"] and same["near_ties"] == same["mismatches"] == 0 and same["max_logit_diff"] == 0
+
+
+def load_tokenizer_of(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 def load(path, dtype):
