@@ -17,7 +17,7 @@ num_speculative_tokens K in {1, 3} they check:
 - vLLM's accepted tokens per position equal `eyas eval` with shape `chain:K` on the same prompts
   within `eyas.eval.engine_vllm.parity_tolerance`, and are well above zero at every depth.
 
-vLLM must be installed (`.ci/run` installs it); these tests fail rather than skip when it is
+vLLM must be installed (the README's test command installs it); these tests fail rather than skip when it is
 missing or cannot start. Both engines' figures go to the test log (`-s`) and to
 `<tmp>/vllm_parity.json` (or EYAS_PARITY_RESULTS); EYAS_PARITY_RUN_DIR keeps the trained drafts.
 """

@@ -24,7 +24,7 @@ eyas eval, the bf16 rows another: an engine start, the target-alone run and the 
 are paid once per precision and tier, not once per draft. Only the eagle3 draft is trained
 before the first test; the others train when a test of the serving tier first serves them.
 
-vLLM must be installed (`.ci/run` installs it, see the README); these tests fail rather than
+vLLM must be installed (the README's test command installs it); these tests fail rather than
 skip when it is missing or cannot start. Both engines' figures go to the test log (`-s`) and to
 `<tmp>/vllm_parity.json` (or EYAS_PARITY_RESULTS).
 
