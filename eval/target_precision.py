@@ -40,8 +40,9 @@ from typing import Any
 
 import torch
 
-from eyas.decode import cache_kwarg, new_cache, stop_token_ids
+from eyas.decode import cache_kwarg, new_cache, plain_decode, stop_token_ids
 from eyas.eval.kv import row_invariant_attention, tree_mask
+from eyas.eval.prompts import Prompt, render
 from eyas.io import atomic_write_json
 from eyas.precision import cpu_flags, native_bf16, warn_slow_bf16
 from eyas.targets import (
@@ -174,30 +175,25 @@ def probe_dtype(target: Any, tokenizer: Any) -> dict:
             "dtype": str(target.dtype).replace("torch.", "")}
 
 
-@torch.inference_mode()
 def decode_steps(target: Any, prompt: list[int], new_tokens: int, eos: set[int]) -> tuple[list[int], torch.Tensor]:
-    """The target's 1-token greedy decode over its KV cache (the eval baseline's loop): the tokens and each
-    step's logits [tokens, V] in fp32 (row 0 from the prompt's last position)."""
-    cache, cache_kw, device = new_cache(), cache_kwarg(target), target.device
-    ids, tokens, logits = torch.tensor([prompt], device=device), [], []
-    with row_invariant_attention(device, target.dtype):
-        for _ in range(new_tokens):
-            step = target(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_kw: cache}).logits[0, -1].float()
-            logits.append(step)
-            tokens.append(int(step.argmax()))
-            if tokens[-1] in eos:
-                break
-            ids = torch.tensor([[tokens[-1]]], device=device)
+    """The target's 1-token greedy decode (`plain_decode`, the eval baseline's KV-cache loop): the tokens and
+    each step's logits [tokens, V] in fp32 (row 0 from the prompt's last position)."""
+    logits: list[torch.Tensor] = []
+
+    def greedy(step: torch.Tensor) -> torch.Tensor:  # [1, V] fp32 -> [1]; kept for the comparison
+        logits.append(step[0])
+        return step.argmax(-1)
+
+    ids = torch.tensor([prompt], device=target.device)
+    with row_invariant_attention(target.device, target.dtype):
+        tokens = plain_decode(target, ids, torch.ones_like(ids), new_tokens,
+                              torch.tensor(sorted(eos) or [-1], device=target.device), greedy)[0]
     return tokens, torch.stack(logits)
 
 
 def probe_prompt(tokenizer: Any, text: str) -> list[int]:
-    """`text` as a user turn in the target's chat template (as eval prompts are), plain where it has none."""
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    return tokenizer(text).input_ids
+    """`text` as a one-turn eval prompt (`render`: the target's chat template, plain where it has none)."""
+    return render(Prompt(id="probe", category="probe", messages=[{"role": "user", "content": text}]), tokenizer)
 
 
 @torch.inference_mode()
