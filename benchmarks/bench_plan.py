@@ -18,7 +18,8 @@ with no optimizer sharding:
 
 Each runs in a fresh subprocess. Measured: its peak resident memory (VmHWM, reset once the target or
 the trainer is built, so the peak is the stage's, not the loading's) minus its resident memory after
-imports. Predicted: `eyas.plan`'s device total plus host total for the same recipe (`Hardware("cpu")`).
+imports. Predicted: `eyas plan`'s device total plus host total for the same recipe (`Hardware("cpu")`), from
+the dump's and the trainer's own models (`eyas.data.memory`, `eyas.train.memory`).
 Figures: |measured / predicted - 1| per stage, and for the unroll the same on the difference between
 the deep and the one-step run.
 """
@@ -159,7 +160,10 @@ def measure(stage: str, recipe_overrides: list[str]) -> dict:
 def predict(stage: str, recipe_overrides: list[str]) -> dict:
     """`eyas plan`'s figures for the same recipe on the CPU: named parts, device + host total (bytes)."""
     from eyas.config import load_recipe
-    from eyas.plan import Hardware, draft_size, dump_need, read_config, shapes_of, train_need
+    from eyas.data.memory import dump_need
+    from eyas.memory import Hardware, shapes_of
+    from eyas.plan import read_config
+    from eyas.train.memory import draft_size, train_need
 
     recipe = load_recipe(None, recipe_overrides)
     config = read_config(recipe)

@@ -695,7 +695,8 @@ def plan_inputs(ctx: Context, overrides: list[str] = ()) -> tuple:
 
 def plan_prediction(ctx: Context, tokens: int) -> dict:
     """`eyas plan`'s training need of the 8B eagle3 recipe at train.token_budget = data.max_length = `tokens` (GiB)."""
-    from eyas.plan import draft_size, shapes_of, train_need
+    from eyas.memory import shapes_of
+    from eyas.train.memory import draft_size, train_need
 
     recipe, config, hw, _ = plan_inputs(ctx, [f"train.token_budget={tokens}", f"data.max_length={tokens}"])
     need = train_need(recipe, config, shapes_of(config), draft_size(recipe, config), hw, "ddp")

@@ -69,7 +69,6 @@ from eyas.draft.features import FUSED_LAYERS, LAST_HIDDEN
 from eyas.draft.registry import head_class
 from eyas.errors import EyasError
 from eyas.io import atomic_write_json, remove_stale_temps
-from eyas.pipeline import COMMANDS
 from eyas.targets import (
     IDENTITY_SCHEME,
     load_target,
@@ -534,11 +533,11 @@ def _report(manifest: dict | None, root: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     # command line only: the stage's library functions do not need the CLI helpers
     from eyas import stages
-    from eyas.cli import stage_main, stage_parser  # likewise
+    from eyas.stage_cli import command_help, stage_main, stage_parser  # likewise
 
     # A flag, not a recipe key: the stage record would count a toggled key as a change of the
     # dump's settings and make the training behind it stale.
-    parser = stage_parser("eyas dump", COMMANDS["dump"].help)
+    parser = stage_parser("eyas dump", command_help("dump", __doc__))
     parser.add_argument("--reverify", action="store_true",
                         help="hash every finished shard again and redo corrupt ones (a rerun otherwise trusts shards "
                              "whose sidecar, size and header fit); runs the stage even if it is current")

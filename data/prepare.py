@@ -453,7 +453,7 @@ def _report(info: dict, out_dir: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     # command line only: the stage's library functions do not need the CLI helpers
     from eyas import stages
-    from eyas.cli import stage_main  # likewise
+    from eyas.stage_cli import stage_main  # likewise
 
     def body(recipe: Any, args: Any) -> None:
         stages.run("prepare", recipe, lambda: _report(prepare(recipe), recipe.run_dir / "prepared"),

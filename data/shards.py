@@ -61,10 +61,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from eyas.cli import guarded, stage_parser
 from eyas.config import load_recipe
 from eyas.errors import EyasError
 from eyas.io import _fsync_dir, _write_error, atomic_write_bytes, atomic_write_json, json_problem, sha256_file, temp_name
+from eyas.stage_cli import guarded, stage_parser
 from eyas.targets import load_target_config, load_tokenizer, target_identity
 
 SCHEMA_VERSION = 1

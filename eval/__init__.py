@@ -13,4 +13,5 @@ Modules:
   runner      several drafts x shapes over the same prompts, interleaved with the target alone
   report      rich table, JSON, PNG plot
   cli         `eyas eval`
+  memory      eval's memory model, which `eyas plan` composes with the dump's and the trainer's
 """

@@ -24,7 +24,6 @@ import torch
 import transformers
 
 from eyas import __version__, stages
-from eyas.cli import stage_main, stage_parser
 from eyas.config import Recipe, check_against_target, save_resolved
 from eyas.decode import SamplingParams
 from eyas.errors import EyasError
@@ -36,6 +35,7 @@ from eyas.eval.runner import encode_prompts, evaluate
 from eyas.eval.target_precision import EvalPrecision, choose
 from eyas.eval.tree import parse_shape
 from eyas.precision import native_bf16
+from eyas.stage_cli import stage_main, stage_parser
 from eyas.targets import load_target, resolve_target_path
 from eyas.train.checkpoint import best_checkpoint
 

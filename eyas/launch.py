@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from eyas.errors import EyasError
+from eyas.stage_cli import guarded
 
 # The signals eyas takes over from the launcher, and the one it sends each worker in their place.
 TAKEN = ("SIGTERM", "SIGINT")
@@ -45,7 +46,7 @@ WORKER_SIGNAL = signal.SIGTERM
 # torch's default `--signals-to-handle` (torch/distributed/run.py); eyas removes TAKEN from it.
 TORCH_DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 # How a worker that got WORKER_SIGNAL stops when it has nothing to checkpoint: eyas's handler for
-# start-up and for stages without checkpoints (`eyas.cli._terminated`, 143), or killed by the signal
+# start-up and for stages without checkpoints (`eyas.stage_cli.stopped_by_sigterm`, 143), or killed by the signal
 # itself before Python installed a handler.
 STOPPED_BEFORE_SAVE = {128 + WORKER_SIGNAL, -WORKER_SIGNAL}
 
@@ -186,8 +187,6 @@ def launch(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from eyas.cli import guarded  # eyas.cli lists this command: imported here to avoid a cycle
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stdout if argv else sys.stderr)

@@ -36,10 +36,11 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from eyas import stages
-from eyas.cli import quiet_thread_waits, run_recipe_path, stage_main
+from eyas.cli import quiet_thread_waits
 from eyas.config import Recipe, save_resolved
 from eyas.errors import EyasError
 from eyas.pipeline import PIPELINE
+from eyas.stage_cli import run_recipe_path, stage_main
 
 RECIPE_NAME = "quickstart.yaml"
 # What the quickstart runs, in order: the target's files, then the command table's pipeline stages.

@@ -1,10 +1,13 @@
-"""The package's import rule, checked on the source (AST), so it holds after every change.
+"""The package's layering, checked on the source (AST), so it holds after every change.
 
-Data flows one way: `eyas.data` -> `eyas.train` -> `eyas.eval`. A stage may import the shared
-modules in `eyas/` and the stages before it, never a later one. The shared modules import no
-stage at all, except the front door (`eyas.cli`, `eyas.quickstart`, `eyas.stages`, `eyas.plan`), which
-runs or plans the stages. An `eyas.*` import inside a function needs a one-line reason on the line above
-or beside it (a comment), so every file's header says what it depends on.
+Three layers. On top, the front door (`FRONT_DOOR`: the `eyas` command and its dispatch, the command
+table, `eyas plan`, the quickstart, the launcher, SLURM submission), which runs and plans the stages.
+In the middle, the stages, where data flows one way: `eyas.data` -> `eyas.train` -> `eyas.eval`. A
+stage may import the shared modules in `eyas/` and the stages before it, never a later one, and never
+the front door (a package's `__main__.py`, its `python -m` entry through the dispatcher, aside). At
+the bottom, the shared modules in `eyas/`, which import no stage. An `eyas.*` import inside a function
+needs a one-line reason on the line above or beside it (a comment), so every file's header says what it
+depends on.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from eyas.draft.registry import KINDS, head_class
 ROOT = Path(__file__).resolve().parents[1]
 STAGE_DIRS = {"data": "eyas.data", "train": "eyas.train", "eval": "eyas.eval", "slurm": "eyas.slurm"}
 ORDER = {"eyas.data": 0, "eyas.train": 1, "eyas.eval": 2}
-FRONT_DOOR = {"eyas.cli", "eyas.quickstart", "eyas.stages", "eyas.plan", "eyas.__main__"}
+# The top layer: it imports the stages; no stage imports it.
+FRONT_DOOR = {"eyas.cli", "eyas.__main__", "eyas.pipeline", "eyas.plan", "eyas.quickstart", "eyas.launch",
+              "eyas.slurm.submit"}
 
 
 def _modules() -> list[tuple[str, Path]]:
@@ -73,6 +78,25 @@ def test_data_flows_one_way():
     assert not wrong, "imports against the pipeline's direction:\n" + "\n".join(wrong)
 
 
+def _front_door_imports(node: ast.AST, imported: str) -> list[str]:
+    """The front-door modules an import names: `from eyas import plan` names `eyas.plan`."""
+    names = [imported] + ([f"{imported}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom) else [])
+    return [n for n in names if n in FRONT_DOOR]
+
+
+def test_no_stage_imports_the_front_door():
+    """The front door runs and plans the stages; a stage importing it back (even inside a function) would tie
+    the layers both ways. Each stage's `__main__.py` dispatches through the CLI, which is its job."""
+    wrong = []
+    for name, path in _modules():
+        if _stage(name) is None or path.name == "__main__.py":
+            continue
+        for node, imported, _ in _eyas_imports(ast.parse(path.read_text())):
+            wrong += [f"{path.relative_to(ROOT)}:{node.lineno}: {name} imports {door}"
+                      for door in _front_door_imports(node, imported)]
+    assert not wrong, "stage modules importing the front door:\n" + "\n".join(wrong)
+
+
 def test_function_local_eyas_imports_say_why():
     bare = []
     for _, path in _modules():
@@ -91,6 +115,13 @@ def test_the_rule_catches_a_backward_import(tmp_path):
     tree = ast.parse("def f():\n    from eyas.eval.kv import tree_mask\n")
     [(node, imported, in_function)] = _eyas_imports(tree)
     assert imported == "eyas.eval.kv" and in_function and ORDER[_stage(imported)] > ORDER["eyas.data"]
+
+
+def test_the_rule_catches_a_front_door_import():
+    """The checker itself: the front door named as a module or from its package, inside a function too."""
+    tree = ast.parse("from eyas import config, plan\nimport eyas.launch\ndef f():\n    from eyas.cli import main\n")
+    found = [_front_door_imports(node, imported) for node, imported, _ in _eyas_imports(tree)]
+    assert found == [["eyas.plan"], ["eyas.launch"], ["eyas.cli"]]
 
 
 def test_recipe_kinds_are_the_registry():

@@ -10,7 +10,6 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from eyas.cli import stage_main
 from eyas.config import (
     Recipe,
     absolute_paths,
@@ -23,6 +22,7 @@ from eyas.config import (
     save_resolved,
 )
 from eyas.errors import EyasError
+from eyas.stage_cli import stage_main
 
 RECIPES = Path(__file__).parent.parent / "recipes"
 

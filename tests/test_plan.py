@@ -14,9 +14,12 @@ import pytest
 import torch
 from train_helpers import make_workspace, new_run
 
+from eyas import memory as shared
 from eyas import plan
 from eyas.config import load_recipe
+from eyas.data import memory as dump_memory
 from eyas.errors import EyasError
+from eyas.train import memory as train_memory
 from eyas.train.losses import Teacher
 from eyas.train.ttt import unroll
 
@@ -76,10 +79,10 @@ def test_the_8b_draft_matches_the_hand_count(config_8b):
     config = plan.read_config(recipe, str(config_8b))
     h, q, kv, inter, draft_vocab = 4096, 32 * 128, 8 * 128, 14336, 32000
     trainable = 3 * h * h + 2 * h * q + 2 * (2 * h * kv) + q * h + 3 * h * inter + draft_vocab * h + 4 * h
-    size = plan.draft_size(recipe, config)
+    size = train_memory.draft_size(recipe, config)
     assert abs(size.trainable / trainable - 1) < 0.01
     assert size.frozen == 128256 * h  # the target's embedding, frozen in the head
-    assert plan.shapes_of(config).params == 8_030_261_248  # Llama-3.1-8B's published parameter count
+    assert shared.shapes_of(config).params == 8_030_261_248  # Llama-3.1-8B's published parameter count
 
 
 def test_a_target_class_that_cannot_be_built_is_counted_as_its_layout(config_8b, monkeypatch):
@@ -91,7 +94,7 @@ def test_a_target_class_that_cannot_be_built_is_counted_as_its_layout(config_8b,
 
     config = plan.read_config(load_recipe(str(RECIPE_8B)), str(config_8b))
     monkeypatch.setattr(AutoModelForCausalLM, "from_config", needs_code)
-    assert plan.shapes_of(config).params == 8_030_261_248
+    assert shared.shapes_of(config).params == 8_030_261_248
 
 
 def test_a_config_json_file_is_enough(config_8b, capsys):
@@ -135,25 +138,25 @@ def test_what_does_not_fit_is_named_with_what_would(config_8b, capsys):
     assert 2048 <= fits < 65536
     recipe = load_recipe(str(RECIPE_8B), [f"train.token_budget={fits}"])
     config = plan.read_config(recipe, str(config_8b))
-    need = plan.train_need(recipe, config, plan.shapes_of(config), plan.draft_size(recipe, config),
-                           plan.Hardware("cuda", plan.GPUS["h100-80gb"] * plan.MIB, 8))
-    assert need.device_total <= plan.GPUS["h100-80gb"] * plan.MIB
+    need = train_memory.train_need(recipe, config, shared.shapes_of(config), train_memory.draft_size(recipe, config),
+                                   shared.Hardware("cuda", plan.GPUS["h100-80gb"] * shared.MIB, 8))
+    assert need.device_total <= plan.GPUS["h100-80gb"] * shared.MIB
 
 
 def test_refuse_if_too_big_names_the_setting_and_passes_what_fits(config_8b):
     config = plan.read_config(load_recipe(str(RECIPE_8B)), str(config_8b))
-    memory = plan.GPUS["h100-80gb"] * plan.MIB
-    plan.refuse_if_too_big("train", load_recipe(str(RECIPE_8B)), config, memory, 8)  # the shipped recipe fits
+    memory = plan.GPUS["h100-80gb"] * shared.MIB
+    train_memory.refuse_if_too_big("train", load_recipe(str(RECIPE_8B)), config, memory, 8)  # the shipped recipe fits
     with pytest.raises(EyasError) as refused:
-        plan.refuse_if_too_big("train", load_recipe(str(RECIPE_8B), ["train.token_budget=131072"]), config, memory, 8)
+        train_memory.refuse_if_too_big("train", load_recipe(str(RECIPE_8B), ["train.token_budget=131072"]), config, memory, 8)
     message = str(refused.value)
     assert "train.token_budget=131072 needs" in message and "fits" in message
     # ZeRO-3 over 8 GPUs holds less per GPU than DDP: the same recipe needs less there
     recipe = load_recipe(str(RECIPE_8B))
-    hw = plan.Hardware("cuda", memory, 8)
-    sizes = plan.shapes_of(config), plan.draft_size(recipe, config)
-    ddp = plan.train_need(recipe, config, *sizes, hw, "ddp").device_total
-    assert plan.train_need(recipe, config, *sizes, hw, "zero3").device_total < ddp
+    hw = shared.Hardware("cuda", memory, 8)
+    sizes = shared.shapes_of(config), train_memory.draft_size(recipe, config)
+    ddp = train_memory.train_need(recipe, config, *sizes, hw, "ddp").device_total
+    assert train_memory.train_need(recipe, config, *sizes, hw, "zero3").device_total < ddp
 
 
 def test_accelerate_configs_are_read_for_their_sharding():
@@ -173,11 +176,11 @@ def test_a_running_accelerator_tells_its_sharding():
     def accelerator(kind, stage=None):
         return SimpleNamespace(distributed_type=kind, state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=stage)))
 
-    assert plan.sharding_of(accelerator(DistributedType.MULTI_GPU)) == "ddp"
-    assert plan.sharding_of(accelerator(DistributedType.NO)) == "ddp"
-    assert plan.sharding_of(accelerator(DistributedType.DEEPSPEED, 2)) == "zero2"
-    assert plan.sharding_of(accelerator(DistributedType.DEEPSPEED, 3)) == "zero3"
-    assert plan.sharding_of(accelerator(DistributedType.FSDP)) == "fsdp"
+    assert train_memory.sharding_of(accelerator(DistributedType.MULTI_GPU)) == "ddp"
+    assert train_memory.sharding_of(accelerator(DistributedType.NO)) == "ddp"
+    assert train_memory.sharding_of(accelerator(DistributedType.DEEPSPEED, 2)) == "zero2"
+    assert train_memory.sharding_of(accelerator(DistributedType.DEEPSPEED, 3)) == "zero3"
+    assert train_memory.sharding_of(accelerator(DistributedType.FSDP)) == "fsdp"
 
 
 # ----------------------------------------------------------------------------- against a real tiny run
@@ -207,10 +210,10 @@ def test_steps_and_shard_bytes_match_the_trainer_and_the_dump(workspace, monkeyp
     recipe = _tiny_recipe(workspace, "steps", "train.epochs=3", "train.grad_accum=2")
     trainer = loop.Trainer(recipe)
     lengths = plan.prepared_lengths(recipe)
-    steps, how = plan.optimizer_steps(recipe, 1, lengths["train"], None)
+    steps, how = train_memory.optimizer_steps(recipe, 1, lengths["train"], None)
     assert steps == trainer.total_steps and "from" in how
     manifest = json.loads((recipe.run_dir / "shards" / "manifest.json").read_text())
-    per_token = sum(plan.shard_bytes(recipe, plan.read_config(recipe)).values())
+    per_token = sum(dump_memory.shard_bytes(recipe, plan.read_config(recipe)).values())
     assert per_token == 4 * 64 * 2 + 2 + 1  # three fused layers + last hidden in bf16, uint16 ids, the mask
     overhead = manifest["bytes_per_token"] - per_token
     assert 0 < overhead < 24 * manifest["num_samples"] / manifest["num_tokens"] + 0.2 * per_token
@@ -249,13 +252,13 @@ def _kept_by_autograd(kind: str, regime: str, steps: int, tokens: int = 96) -> t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=regime == "autocast"):
             unroll(head, batch, Teacher(torch.randn(512, 64), d2t, 2048), steps, {"forward_kl": 1.0})
-    precision = {"fp32": plan.Precision("fp32", "no", 4, 4, 4, False),
-                 "autocast": plan.Precision("autocast", "bf16", 4, 4, 2, True),
-                 "half": plan.Precision("half", "bf16", 2, 2, 2, False)}[regime]
-    s, d = plan.shapes_of(config), plan.draft_size(recipe, config)
+    precision = {"fp32": train_memory.Precision("fp32", "no", 4, 4, 4, False),
+                 "autocast": train_memory.Precision("autocast", "bf16", 4, 4, 2, True),
+                 "half": train_memory.Precision("half", "bf16", 2, 2, 2, False)}[regime]
+    s, d = shared.shapes_of(config), train_memory.draft_size(recipe, config)
     feature_width = 192 if kind == "eagle3" else 64
-    predicted = (plan.unroll_bytes(s, d, precision, steps, tokens, tokens, False, False)
-                 + plan.projection_bytes(s, d, precision, tokens, feature_width)
+    predicted = (train_memory.unroll_bytes(s, d, precision, steps, tokens, tokens, False, False)
+                 + train_memory.projection_bytes(s, d, precision, tokens, feature_width)
                  + tokens * (4 * d.draft_vocab + 4)  # the teacher's probabilities and the loss weights
                  + (2 * d.trainable if precision.casts else 0))  # autocast's cached half weights
     return sum(kept.values()), predicted
@@ -302,7 +305,7 @@ def _config_file(tmp_path: Path, name: str, config: dict) -> Path:
 def test_an_moe_target_counts_every_expert_and_runs_its_routed_width(tmp_path, config, billions, width):
     """Memory holds every expert (the published totals), a token's activations only its routed experts'."""
     recipe = load_recipe(str(REPO / "recipes" / "qwen3-30b-a3b-eagle3.yaml"))
-    shapes = plan.shapes_of(plan.read_config(recipe, str(_config_file(tmp_path, "moe", config))))
+    shapes = shared.shapes_of(plan.read_config(recipe, str(_config_file(tmp_path, "moe", config))))
     assert round(shapes.params / 1e9, 1) == billions and shapes.mlp_width == width
 
 
@@ -334,8 +337,8 @@ def test_a_target_too_big_for_one_gpu_is_told_the_vllm_dump_that_fits(tmp_path, 
     recipe = load_recipe(str(recipe_path), ["dump.vllm_tensor_parallel_size=4"])
     config = plan.read_config(recipe, str(path))
     hw = plan.hardware("h200-141gb", 8, None)
-    s = plan.shapes_of(config)
-    need = plan.dump_need(recipe, config, s, hw)
+    s = shared.shapes_of(config)
+    need = dump_memory.dump_need(recipe, config, s, hw)
     assert need.device["weights"] == s.params * 2 / 4
     assert need.device["vLLM headroom"] == pytest.approx(0.1 * hw.memory)
     assert need.device_total <= hw.memory and need.host == {"running": need.host["running"]}

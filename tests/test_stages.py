@@ -7,8 +7,8 @@ import json
 import pytest
 
 from eyas import stages
-from eyas.cli import stage_main
 from eyas.config import load_recipe
+from eyas.stage_cli import stage_main
 
 
 def _recipe(tmp_path, *overrides):
@@ -144,6 +144,24 @@ def test_eyas_help_lists_the_table_and_an_unknown_command_names_it(capsys):
     assert listed == [[name, command.help] for name, command in COMMANDS.items()]
     assert main(["zzzz"]) == 2
     assert capsys.readouterr().err.strip() == f"eyas: error: unknown command 'zzzz'; commands: {', '.join(COMMANDS)}"
+
+
+def test_a_stage_help_is_the_table_line_handed_down(capsys, monkeypatch):
+    """`eyas prepare --help` shows the table's help, which the dispatcher hands down (no stage imports the
+    table); a stage's `main` called directly shows its module docstring's first line instead."""
+    from eyas import stage_cli
+    from eyas.cli import main
+    from eyas.data import prepare
+    from eyas.pipeline import COMMANDS
+
+    for name in ("prepare", "dump", "train"):
+        with pytest.raises(SystemExit):
+            main([name, "--help"])
+        assert COMMANDS[name].help in " ".join(capsys.readouterr().out.split()), name
+    monkeypatch.setattr(stage_cli, "_HELP", {})
+    with pytest.raises(SystemExit):
+        prepare.main(["--help"])
+    assert prepare.__doc__.splitlines()[0] in " ".join(capsys.readouterr().out.split())
 
 
 def test_pipeline_stages_read_only_earlier_stages_and_write_apart(tmp_path):

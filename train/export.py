@@ -394,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     # command line only: the stage's library functions do not need the CLI helpers
-    from eyas.cli import stage_main
+    from eyas.stage_cli import stage_main
 
     def body(_: None, args: argparse.Namespace) -> int:
         job = resolve_job(args)
