@@ -502,7 +502,7 @@ def child(job_path: str, result_path: str) -> int:
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from eyas.eval.engine_vllm import DRAFT_MODULES, record_loads, spec_decode_counters, unexpected_unloaded
+        from eyas.eval.engine_vllm import draft_unloaded, record_loads, spec_decode_counters
 
         records: list[dict] = []
         record_loads(records)
@@ -537,9 +537,7 @@ def child(job_path: str, result_path: str) -> int:
                 ids = [list(o.outputs[0].token_ids) for o in outputs]
                 groups.append({"category": group["category"], "outputs": ids, "seconds": seconds,
                                "tokens": sum(len(x) for x in ids), **counters})
-            # the outermost draft model's record names everything its submodules loaded (as eyas's vLLM eval reads it)
-            drafted = [r for r in records if any(part in r["module"] for part in DRAFT_MODULES)][-1:]
-            unloaded = unexpected_unloaded(drafted, run["shared"])
+            unloaded = draft_unloaded(records, run)  # as eyas's vLLM eval reads it
             print("EYAS_RUN_END", flush=True)
             out["runs"].append({"name": current, "startup_seconds": startup, "groups": groups, "unloaded": unloaded})
             del llm

@@ -33,8 +33,8 @@ depth, and every row's nodes of that depth run in ONE draft forward through the 
 token drafts (`LMDraft`, e.g. truncated:N) and the shared-layer heads (eagle, eagle3) see their row's
 committed entries, their ancestors and themselves (`TreeNodes`); peagle's mask slots and dflash's block
 run once per round for every row; an mtp head runs layer d for every row's depth-d nodes
-(`BatchedPerStepDraft`). So a round's draft forwards do not grow with the batch (docs/results.md, "Many
-prompts at once").
+(`BatchedPerStepDraft`); `BATCHED` names each drafting layout's adapter. So a round's draft forwards do
+not grow with the batch (docs/results.md, "Many prompts at once").
 The mixture test draft runs one prompt at a time (`batch_unsupported`).
 """
 
@@ -43,10 +43,11 @@ from __future__ import annotations
 import torch
 
 from eyas.decode import SamplingParams, cache_kwarg, new_cache, process_logits, sample, stop_token_ids
+from eyas.draft.layouts import BLOCK, LAYER_PER_STEP, PARALLEL_SLOTS, SHARED_LAYER, Layout
 from eyas.errors import EyasError
 from eyas.eval.decoder import DecodeResult, SpeculativeDecoder, _Clock, _count, _cut, drafted_path
 from eyas.eval.drafts import LMDraft, MixtureDraft
-from eyas.eval.head_draft import BlockDraft, PerStepDraft, SharedLayerDraft, mask_slot_inputs
+from eyas.eval.head_draft import BlockDraft, HeadDraft, PerStepDraft, SharedLayerDraft, mask_slot_inputs
 from eyas.eval.kv import check_attention, layer_masks, row_invariant_attention
 from eyas.eval.tree import Expansion, Shape, Tree, tree_steps
 from eyas.eval.verify import verify_greedy, verify_sampled
@@ -328,9 +329,9 @@ def _take_head(adapter, draft) -> None:
 
 
 class BatchedSharedLayerDraft:
-    """eagle / eagle3 / peagle (`SharedLayerDraft`) over a `RaggedCache`: slot t holds (f_t, x_{t+1}) at position
-    t; a tree node at depth d is step d with its parent's hidden, attending to the committed slots, its ancestors
-    and itself. A parallel drafter's mask slots for depths 1..depth-1 run in one forward at depth 1."""
+    """eagle / eagle3 (`SharedLayerDraft`) over a `RaggedCache`: slot t holds (f_t, x_{t+1}) at position t; a tree
+    node at depth d is step d with its parent's hidden, attending to the committed slots, its ancestors and
+    itself."""
 
     def __init__(self, draft: SharedLayerDraft, depth: int):
         _take_head(self, draft)
@@ -357,8 +358,6 @@ class BatchedSharedLayerDraft:
 
     def expand(self, requests: Requests) -> list[torch.Tensor | None]:
         depth = self.nodes.add(requests)
-        if self.head.parallel_drafting:
-            return self._mask_slots(requests, depth)
         ids, counts, positions, within, history = self.nodes.inputs(requests, self.committed, depth)
         hidden, logits = self._step(depth, ids, self._parent_hidden(requests, ids.shape[1]), positions,
                                     self.kv.append_mask(ids.shape[1], counts, self.dtype, self.device, within=within,
@@ -375,20 +374,6 @@ class BatchedSharedLayerDraft:
             own = [self.hidden[b][p] if p >= 0 else self.root_hidden[b] for p in (request[0] if request else [])]
             rows.append(torch.stack(own + [self.root_hidden[b]] * (n - len(own))))
         return torch.stack(rows)
-
-    def _mask_slots(self, requests: Requests, depth: int) -> list[torch.Tensor | None]:
-        """Every depth-d node of a row has its row's depth-d mask slot logits; at depth 1 every depth's slots run
-        in one forward (`SharedLayerDraft`)."""
-        if self.slot_logits is None:
-            n = max(self.slots, 1)
-            rows = len(requests)
-            ids, feature = mask_slot_inputs(self.head, self.root_hidden, n)
-            counts = torch.full((rows,), n, dtype=torch.long)
-            _, logits = self._step(1, ids, feature, self.kv.append_positions(n),
-                                   self.kv.append_mask(n, counts, self.dtype, self.device))
-            self.kv.settle(counts)
-            self.slot_logits = logits
-        return _each_node(self.draft._to_target(self.slot_logits[:, depth - 1]), requests)
 
     def commit(self, kept: list[list[int]], accepted: list[list[int]], roots: list[int],
                features: list[torch.Tensor]) -> torch.Tensor:
@@ -409,6 +394,28 @@ class BatchedSharedLayerDraft:
         self.root_hidden = self.root_hidden[rows.to(self.root_hidden.device)]
 
 
+class BatchedParallelSlotsDraft(BatchedSharedLayerDraft):
+    """peagle (`ParallelSlotsDraft`): the shared layer's batch, its mask slots for depths 1..depth-1 run in one
+    forward at depth 1."""
+
+    def expand(self, requests: Requests) -> list[torch.Tensor | None]:
+        return self._mask_slots(requests, self.nodes.add(requests))
+
+    def _mask_slots(self, requests: Requests, depth: int) -> list[torch.Tensor | None]:
+        """Every depth-d node of a row has its row's depth-d mask slot logits; at depth 1 every depth's slots run
+        in one forward (`ParallelSlotsDraft`)."""
+        if self.slot_logits is None:
+            n = max(self.slots, 1)
+            rows = len(requests)
+            ids, feature = mask_slot_inputs(self.head, self.root_hidden, n)
+            counts = torch.full((rows,), n, dtype=torch.long)
+            _, logits = self._step(1, ids, feature, self.kv.append_positions(n),
+                                   self.kv.append_mask(n, counts, self.dtype, self.device))
+            self.kv.settle(counts)
+            self.slot_logits = logits
+        return _each_node(self.draft._to_target(self.slot_logits[:, depth - 1]), requests)
+
+
 class BatchedBlockDraft:
     """dflash (`BlockDraft`) over a batch. Each row keeps its own context keys and values per layer (the
     target's features of its committed tokens, at their positions). A round's blocks, one per row, run in
@@ -416,7 +423,7 @@ class BatchedBlockDraft:
     row's columns (`DFlashHead.block_logits` takes a visibility row per block); slot d of row b's block gives
     the logits of row b's depth-d nodes, as `BlockDraft` gives them one row at a time."""
 
-    def __init__(self, draft: BlockDraft):
+    def __init__(self, draft: BlockDraft, depth: int):
         _take_head(self, draft)
 
     def _context(self, features: torch.Tensor, start: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -477,7 +484,7 @@ class BatchedPerStepDraft:
     nothing in the cache, as one at a time. Commits advance every layer over its newly known slots, each
     layer one forward for every row."""
 
-    def __init__(self, draft: PerStepDraft):
+    def __init__(self, draft: PerStepDraft, depth: int):
         _take_head(self, draft)
 
     def start(self, prompts: list[list[int]], roots: list[int], features: torch.Tensor) -> torch.Tensor:
@@ -493,12 +500,14 @@ class BatchedPerStepDraft:
         return self._advance()
 
     def _feature(self, b: int, layer: int, slots: range, parent: dict | None = None) -> torch.Tensor:
-        """Row b's features of `layer` at `slots`: the target's f_s, or layer-1's hidden (committed or the parent's)."""
-        if layer == 0 or not self.head.chains_hidden():
-            return self.features[b][slots.start:slots.stop]
+        """Row b's features of `layer` at `slots`, as `PerStepDraft._feature` gives them one row at a time."""
+        target = self.features[b][slots.start:slots.stop]
+        if layer == 0:
+            return target
         known = self.frontier[b][layer - 1]
-        return torch.stack([self.real_hidden[b][layer - 1][s] if s < known else parent["hidden"][s - parent["first_slot"]]
-                            for s in slots])
+        previous = torch.stack([self.real_hidden[b][layer - 1][s] if s < known
+                                else parent["hidden"][s - parent["first_slot"]] for s in slots])
+        return self.head.next_feature(previous, target)
 
     def _run(self, layer: int, rows: list[list[tuple[list[int], torch.Tensor, list[int]]]]):
         """Layer `layer` over per-row pieces (tokens, features [n, H], positions), right-padded into one forward
@@ -601,13 +610,16 @@ def batch_unsupported(draft) -> str | None:
     return None
 
 
+# The batched adapter of each drafting layout (eyas.draft.layouts), built from its one-at-a-time adapter.
+BATCHED: dict[Layout, type] = {SHARED_LAYER: BatchedSharedLayerDraft, PARALLEL_SLOTS: BatchedParallelSlotsDraft,
+                               LAYER_PER_STEP: BatchedPerStepDraft, BLOCK: BatchedBlockDraft}
+
+
 def batched_draft(draft, depth: int):
-    """The batched adapter of `draft` for trees `depth` deep."""
-    if isinstance(draft, SharedLayerDraft):
-        return BatchedSharedLayerDraft(draft, depth)
-    if isinstance(draft, PerStepDraft):
-        return BatchedPerStepDraft(draft)
-    return BatchedBlockDraft(draft) if isinstance(draft, BlockDraft) else BatchedLMDraft(draft)
+    """The batched adapter of `draft` for trees `depth` deep: a head's per its layout, a token draft's own."""
+    if isinstance(draft, HeadDraft):
+        return BATCHED[draft.head.layout](draft, depth)
+    return BatchedLMDraft(draft)
 
 
 # --------------------------------------------------------------------------------------------

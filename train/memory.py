@@ -107,7 +107,7 @@ def _weights_every_step_uses(head: DraftHead, trainable: list[torch.nn.Parameter
     layer's, and the lm_head and final norm outside the layers (not the once-per-unroll projection)."""
     in_blocks = {id(p) for layer in blocks for p in layer.parameters()}
     projection = {id(p) for p in getattr(head, "fc", torch.nn.Module()).parameters()}
-    return [p for p in trainable if id(p) not in projection and (head.shares_layer or id(p) not in in_blocks)]
+    return [p for p in trainable if id(p) not in projection and (not head.layout.weights_per_step or id(p) not in in_blocks)]
 
 
 def _step_norms(head: DraftHead, blocks: list[torch.nn.Module]) -> int:
@@ -120,7 +120,7 @@ def _step_norms(head: DraftHead, blocks: list[torch.nn.Module]) -> int:
 def _unroll_steps(recipe: Recipe) -> int:
     """The draft steps one training forward unrolls: train.ttt_steps; EAGLE-1 trains one (plus its feature
     regression)."""
-    return 1 if head_class(recipe.draft.kind).feature_regression else recipe.train.ttt_steps
+    return head_class(recipe.draft.kind).unroll_steps(recipe.train.ttt_steps)
 
 
 # ----------------------------------------------------------------------------- one training step

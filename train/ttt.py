@@ -20,9 +20,11 @@ without materialising the (k+1)T-wide mask, and tests check it against the dense
 through a DynamicCache. mtp: layer k is its own layer and attends causally to its own
 step's keys (slots s <= t), as DeepSeek-V3's MTP modules do.
 
-A head that drafts a whole block in one forward (`drafts_block`: dflash) is not unrolled: its
-`training_logits` give every step at once (step k at slot t is mask slot k+1 of the block anchored
-at x_{t+1}, so it predicts x_{t+k+2} too), and `_block_scores` scores them as the steps are scored.
+Each drafting layout (`eyas.draft.layouts`) has its scoring in `SCORING`: the shared layer (above), the
+parallel slots (the shared layer's unroll with every step k > 0 reading the head's mask slot), a layer per
+step (mtp, above). A head that drafts a whole block in one forward (the block layout: dflash) is not
+unrolled: its `training_logits` give every step at once (step k at slot t is mask slot k+1 of the block anchored
+at x_{t+1}, so it predicts x_{t+k+2} too), and `_block` scores them as the steps are scored.
 
 Gradients flow through the fed hidden state (step k's loss reaches the weights through
 steps 0..k-1); the fed token is an argmax and carries none.
@@ -43,12 +45,12 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from eyas.draft.blocks import TTTCache
 from eyas.draft.head import DraftHead
+from eyas.draft.layouts import BLOCK, LAYER_PER_STEP, PARALLEL_SLOTS, SHARED_LAYER, Layout
 from eyas.draft.registry import head_class
 from eyas.train.losses import Teacher, TeacherDist, step_losses
 
@@ -63,6 +65,12 @@ class UnrollResult:
     counts: list[torch.Tensor] = field(default_factory=list)     # sum of loss_mask over valid positions
     correct: list[torch.Tensor] = field(default_factory=list)    # draft argmax == teacher argmax
     feature_loss_sum: torch.Tensor | None = None                 # eagle: smooth-L1 to f_{t+1}
+    first_hidden: torch.Tensor | None = None                     # step 0's output hidden, while the unroll runs
+
+    def add(self, scores: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """Append one step's (loss sum, count, hits)."""
+        for totals, value in zip((self.loss_sums, self.counts, self.correct), scores):
+            totals.append(value)
 
 
 def default_token_feed(kind: str) -> str:
@@ -90,64 +98,101 @@ def teacher_for(batch: dict, teacher: Teacher) -> TeacherDist:
     return teacher.distribution(batch["last_hidden"])
 
 
+@dataclass(frozen=True)
+class _Targets:
+    """What every step is scored against: the teacher, the accuracy reference, the labels and the loss mask."""
+
+    teacher: TeacherDist
+    top: torch.Tensor  # [B, T] the reference argmax (draft ids, -1 outside the draft vocabulary)
+    labels: torch.Tensor  # [B, T] the data's tokens as draft ids
+    loss_mask: torch.Tensor  # [B, T] float
+    mix: dict[str, float]
+
+
 def unroll(head: DraftHead, batch: dict, teacher: Teacher, steps: int, mix: dict[str, float],
            token_feed: str = "draft", feature_loss: bool = False, teacher_dist: TeacherDist | None = None,
            teacher_top: torch.Tensor | None = None, checkpoint_steps: bool = False) -> UnrollResult:
-    """Run `steps` draft steps over a batch and return per-step loss sums, counts and hits.
+    """Run `steps` draft steps over a batch, as the head's layout drafts them, and return per-step loss sums,
+    counts and hits.
 
-    `teacher_top` overrides the reference argmax for accuracy (held-out eval passes the
-    target's full-vocabulary argmax mapped to draft ids, -1 when outside the draft vocab).
+    `feature_loss`: also score the kind's loss on step 0's hidden (`DraftHead.feature_loss_sum`, EAGLE-1's
+    feature regression) where it has one. `teacher_top` overrides the reference argmax for accuracy (held-out
+    eval passes the target's full-vocabulary argmax mapped to draft ids, -1 when outside the draft vocab).
     `checkpoint_steps`: recompute each step in the backward (only where autograd records).
     """
     if token_feed not in TOKEN_FEEDS:
         raise ValueError(f"token_feed must be one of {TOKEN_FEEDS}, got {token_feed!r}")
-    ids = batch["input_ids"]
-    bsz, seq = ids.shape
     loss_mask = batch["loss_mask"].float()
     if "attention_mask" in batch:
         loss_mask = loss_mask * batch["attention_mask"].float()
     if teacher_dist is None:
         teacher_dist = teacher_for(batch, teacher)
-    if teacher_top is None:
-        teacher_top = teacher_dist.top
-    labels = teacher.to_draft_ids(ids)
-    if head.drafts_block:
-        return _block_scores(head, batch, steps, teacher_dist, teacher_top, labels, loss_mask, mix)
+    targets = _Targets(teacher_dist, teacher_dist.top if teacher_top is None else teacher_top,
+                       teacher.to_draft_ids(batch["input_ids"]), loss_mask, mix)
+    out = SCORING[head.layout](head, batch, steps, targets, token_feed, checkpoint_steps)
+    if feature_loss:
+        out.feature_loss_sum = head.feature_loss_sum(out.first_hidden, batch.get("last_hidden"), loss_mask)
+    out.first_hidden = None
+    return out
+
+
+def _unroll_steps(head: DraftHead, batch: dict, steps: int, targets: _Targets, token_feed: str,
+                  checkpoint_steps: bool, cache: TTTCache | None, next_inputs: Callable) -> UnrollResult:
+    """The unroll of a layout that drafts step by step: step k+1 reads `next_inputs(head, tokens, hidden,
+    first_feature)` (tokens: the drafted or data tokens, per `token_feed`), on `cache` (None: each step its own
+    layer, attending only to its own step's keys)."""
+    ids = batch["input_ids"]
+    bsz, seq = ids.shape
     positions = torch.arange(seq, device=ids.device).unsqueeze(0).expand(bsz, -1)
-    pad = ids.new_zeros(bsz, 1)
-    tokens = torch.cat([ids[:, 1:], pad], dim=1)  # x_{t+1} at slot t
+    tokens = torch.cat([ids[:, 1:], ids.new_zeros(bsz, 1)], dim=1)  # x_{t+1} at slot t
     feature = first_feature = step0_feature(head, batch)
-    cache = TTTCache() if head.shares_layer else None
     out = UnrollResult()
     for k in range(steps):
-        step = partial(_step_and_score, head, k, teacher_dist, teacher_top, labels, loss_mask, mix)
+        step = partial(_step_and_score, head, k, targets)
         hidden, drafted, scores = cached_step(step, cache, tokens, feature, positions + k, recompute=checkpoint_steps)
-        for totals, value in zip((out.loss_sums, out.counts, out.correct), scores):
-            totals.append(value)
-        if feature_loss and k == 0:
-            out.feature_loss_sum = _feature_loss_sum(hidden, batch["last_hidden"], loss_mask)
+        out.add(scores)
+        if k == 0:
+            out.first_hidden = hidden
         if k + 1 == steps:
             break
-        feature = hidden if head.chains_hidden() else first_feature
         if token_feed == "draft":
             tokens = head.draft_to_target(drafted)
         else:
             tokens = torch.cat([ids[:, k + 2:], ids.new_zeros(bsz, min(k + 2, seq))], dim=1)[:, :seq]
-        tokens, feature = head.mask_inputs(tokens, feature) or (tokens, feature)
+        tokens, feature = next_inputs(head, tokens, hidden, first_feature)
     return out
 
 
-def _block_scores(head: DraftHead, batch: dict, steps: int, teacher: TeacherDist, teacher_top, labels, loss_mask,
-                  mix) -> UnrollResult:
+def _shared_layer(head, batch, steps, targets, token_feed, checkpoint_steps) -> UnrollResult:
+    """One layer for every step: step k sees the context (step 0's keys) and its own slot's earlier steps."""
+    return _unroll_steps(head, batch, steps, targets, token_feed, checkpoint_steps, TTTCache(),
+                         lambda head, tokens, hidden, first: (tokens, hidden))
+
+
+def _parallel_slots(head, batch, steps, targets, token_feed, checkpoint_steps) -> UnrollResult:
+    """The shared layer's unroll, every step k > 0 reading the head's mask slot instead of what was drafted."""
+    return _unroll_steps(head, batch, steps, targets, token_feed, checkpoint_steps, TTTCache(),
+                         lambda head, tokens, hidden, first: head.mask_slots(tokens, hidden))
+
+
+def _layer_per_step(head, batch, steps, targets, token_feed, checkpoint_steps) -> UnrollResult:
+    """Layer k for step k, attending causally to its own step's keys; its feature per `DraftHead.next_feature`."""
+    return _unroll_steps(head, batch, steps, targets, token_feed, checkpoint_steps, None,
+                         lambda head, tokens, hidden, first: (tokens, head.next_feature(hidden, first)))
+
+
+def _block(head, batch, steps, targets, token_feed, checkpoint_steps) -> UnrollResult:
     """A block-drafting head (DFlash): one forward gives every step's logits (step k = mask slot k+1 of
     the block anchored after slot t), scored exactly as the unroll scores its steps."""
     out = UnrollResult()
     for k, logits in enumerate(head.training_logits(batch["input_ids"], batch[head.feature], steps)):
-        for totals, value in zip((out.loss_sums, out.counts, out.correct),
-                                 _score_step(k, logits, logits.detach().argmax(-1), teacher, teacher_top, labels,
-                                             loss_mask, mix)):
-            totals.append(value)
+        out.add(_score_step(k, logits, logits.detach().argmax(-1), targets))
     return out
+
+
+# The training-time scoring of each drafting layout (eyas.draft.layouts).
+SCORING: dict[Layout, Callable[..., UnrollResult]] = {
+    SHARED_LAYER: _shared_layer, PARALLEL_SLOTS: _parallel_slots, LAYER_PER_STEP: _layer_per_step, BLOCK: _block}
 
 
 class TrainingUnroll(nn.Module):
@@ -207,38 +252,26 @@ def _on_cache_copy(step: Callable, blocks: dict[int, tuple] | None, *inputs: tor
     return outputs, {layer_idx: kv[-1] for layer_idx, kv in cache.blocks.items() if len(kv) > len(blocks.get(layer_idx, ()))}
 
 
-def _step_and_score(head: DraftHead, k: int, teacher: TeacherDist, teacher_top, labels, loss_mask, mix,
-                    cache: TTTCache | None, tokens, feature, positions):
+def _step_and_score(head: DraftHead, k: int, targets: _Targets, cache: TTTCache | None, tokens, feature, positions):
     """Step k and its scores, from its inputs alone: (hidden, drafted ids, (loss sum, count, hits))."""
     hidden, logits = head.step(k, tokens, feature, positions, past_key_values=cache)
     drafted = logits.detach().argmax(-1)  # [B, T] draft ids: accuracy, and the next step's tokens
-    return hidden, drafted, _score_step(k, logits, drafted, teacher, teacher_top, labels, loss_mask, mix)
+    return hidden, drafted, _score_step(k, logits, drafted, targets)
 
 
-def _score_step(k: int, logits, drafted, teacher: TeacherDist, teacher_top, labels, loss_mask,
-                mix) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _score_step(k: int, logits, drafted, targets: _Targets) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Loss sum, count and hits of step k over slots 0..T-k-3 (views, no gather: masked slots weigh 0)."""
     seq = logits.shape[1]
     length = seq - k - 2  # slots whose predicted token x_{t+k+2} exists
     if length <= 0:
         zero = logits.new_zeros((), dtype=torch.float32)
         return logits.sum() * 0.0, zero, zero  # the zero loss keeps every parameter in the graph (DDP)
-    weight = loss_mask[:, k + 2:]
+    weight = targets.loss_mask[:, k + 2:]
     span = slice(k + 1, seq - 1)  # teacher positions t+k+1 for slots t = 0..length-1
-    losses = step_losses(logits[:, :length], teacher.probs[:, span], teacher.plogp[:, span],
-                         labels[:, k + 2:], mix)
-    hits = (drafted[:, :length] == teacher_top[:, span]).float()
+    losses = step_losses(logits[:, :length], targets.teacher.probs[:, span], targets.teacher.plogp[:, span],
+                         targets.labels[:, k + 2:], targets.mix)
+    hits = (drafted[:, :length] == targets.top[:, span]).float()
     return (losses * weight).sum(), weight.sum(), (hits * weight).sum()
-
-
-def _feature_loss_sum(hidden: torch.Tensor, last_hidden: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """EAGLE-1's regression: slot t's output hidden against the target's f_{t+1} (smooth L1, mean over H)."""
-    seq = hidden.shape[1]
-    if seq < 3:
-        return hidden.sum() * 0.0
-    weight = loss_mask[:, 2:]
-    per_pos = F.smooth_l1_loss(hidden[:, :seq - 2].float(), last_hidden[:, 1:seq - 1].float(), reduction="none").mean(-1)
-    return (per_pos * weight).sum()
 
 
 def simulated_acceptance_length(step_accuracy: list[float]) -> float:

@@ -12,7 +12,7 @@ trained unless `draft.train_lm_head: false`), and the mask slots carry one train
 `mask_embedding` (started from the embedding row of `mask_token_id`; any row whose token is
 mask_token_id takes it, the anchor included, as vLLM does).
 
-Training (`block_logits`, driven by `eyas.train.ttt.unroll` for a head with `drafts_block`): every
+Training (`block_logits`, driven by `eyas.train.ttt` for the block layout, `eyas.draft.layouts.BLOCK`): every
 position t is an anchor, with token x_{t+1} at position t+1 and the context f_0..f_t, so block
 slot k+1 predicts x_{t+k+2}: the token and the teacher of unroll step k at slot t, scored and
 weighted (train.ttt_decay**k) exactly as the training-time test scores its steps. One pass, no
@@ -251,7 +251,7 @@ def _target_mask_row(state: dict, cfg: HeadConfig) -> dict:
 EXPORT = KindExport(
     formats={"vllm": FormatSpec(VLLM_ARCHITECTURE, "dflash", _shapes, _vllm_config, prepare=_without_mask,
                                 side_files=_mask_file, read_side_files=_read_mask_file, check_steps=_check_steps,
-                                read_config=_read_config),
+                                read_config=_read_config, engine_model="DFlashQwen3ForCausalLM"),
              "sglang": FormatSpec(VLLM_ARCHITECTURE, "DFLASH", _sglang_shapes, _sglang_config, prepare=_without_mask,
                                   restore=_target_mask_row, check=_check_sglang, check_steps=_check_steps,
                                   from_target=frozenset({"lm_head.weight"}),
@@ -267,7 +267,6 @@ EXPORT = KindExport(
 class DFlashHead(DraftHead):
     kind = "dflash"
     feature_spec = FUSED_LAYERS
-    drafts_block = True
     supports_draft_vocab = True
     export = EXPORT
 

@@ -28,6 +28,7 @@ facts read there, no code copied):
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from eyas.draft.blocks import DecoderLayer
@@ -98,7 +99,7 @@ EXPORT = KindExport(
         "sglang": FormatSpec(SGLANG_ARCHITECTURE, "EAGLE", lambda cfg, bias: _shapes(cfg, bias, folded=False),
                              _sglang_config),
         "vllm": FormatSpec(VLLM_ARCHITECTURE, "eagle", lambda cfg, bias: _shapes(cfg, bias, folded=True), _vllm_config,
-                           prepare=fold_fc_bias, restore=_zero_fc_bias),
+                           prepare=fold_fc_bias, restore=_zero_fc_bias, engine_model="EagleLlamaForCausalLM"),
     },
     from_target=frozenset({"embed_tokens.weight", "lm_head.weight"}),
 )
@@ -108,8 +109,20 @@ EXPORT = KindExport(
 
 class EagleHead(DraftHead):
     kind = "eagle"
-    feature_regression = True
     export = EXPORT
+
+    @classmethod
+    def unroll_steps(cls, ttt_steps: int) -> int:
+        return 1  # EAGLE-1 trains one step, plus its feature regression
+
+    def feature_loss_sum(self, hidden, last_hidden, loss_mask):
+        """Slot t's output hidden against the target's f_{t+1} (smooth L1, mean over H), summed over the mask."""
+        seq = hidden.shape[1]
+        if seq < 3:
+            return hidden.sum() * 0.0
+        per_pos = F.smooth_l1_loss(hidden[:, :seq - 2].float(), last_hidden[:, 1:seq - 1].float(),
+                                   reduction="none").mean(-1)
+        return (per_pos * loss_mask[:, 2:]).sum()
 
     def _build(self, cfg: HeadConfig) -> None:
         self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)

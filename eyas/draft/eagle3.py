@@ -186,7 +186,8 @@ EXPORT = KindExport(
         "sglang": FormatSpec(SGLANG_ARCHITECTURE, "EAGLE3", lambda cfg, bias: _shapes(cfg, bias, "sglang"),
                              _sglang_config, biases=_biases, read_config=_read_sglang_config),
         "vllm": FormatSpec(VLLM_ARCHITECTURE, "eagle3", lambda cfg, bias: _shapes(cfg, bias, "vllm"), _vllm_config,
-                           biases=_biases, to_engine=_to_vllm, to_eyas=_from_vllm, read_config=_read_vllm_config),
+                           biases=_biases, to_engine=_to_vllm, to_eyas=_from_vllm, read_config=_read_vllm_config,
+                           engine_model="Eagle3LlamaForCausalLM"),
     },
     # the engines share the target's embedding; the lm_head is the draft's own (reduced vocabulary)
     from_target=frozenset({"embed_tokens.weight"}),

@@ -103,6 +103,11 @@ class FormatSpec:
     # extra fields of vLLM's --speculative-config (peagle: {"parallel_drafting": true})
     speculative_extra: dict = field(default_factory=dict)
     aliases: tuple[str, ...] = ()  # other architectures the config writer may name (per target family)
+    # the eyas plugin module its engine needs to serve it ("": the engine serves it as it ships)
+    plugin: str = ""
+    # the engine's draft model class that loads it, whose load record eyas reads for tensors left unloaded
+    # ("": a loader eyas does not watch; vLLM's `AutoWeightsLoader` records a class by this name)
+    engine_model: str = ""
     # exported config.json -> {"layer": the dict of Llama fields, "aux_layers", "num_layers", "draft_vocab_size",
     # and any variant fields}: what the read-back head config takes from this format's layout
     read_config: Callable[[dict], dict] = read_llama

@@ -1,11 +1,12 @@
 """`DraftHead`: what every head kind shares, and what each kind declares about itself.
 
-A kind is one subclass in its own file (`eagle.py`, `eagle3.py`, `mtp.py`) listed in
+A kind is one subclass in its own file (`eagle.py`, `eagle3.py`, `mtp.py`, ...) listed in
 `eyas.draft.registry`. It builds its own layers in `_build`, says how it reads the target's
-features (`project`) and runs one draft step (`step`); the class attributes below tell the
-dump, the trainer, the eval adapter and the exporter everything else they need (its feature
-spec, `eyas.draft.features`; its export mapping, `eyas.draft.formats`), and its recipe rules are
-data in `eyas.draft.kinds`, so none of them branches on the kind's name (docs/heads.md).
+features (`project`) and runs one draft step (`step`); its drafting layout (`layout`, from its recipe
+rules in `eyas.draft.kinds`) tells every stage how it drafts, and the class attributes and the
+overridable methods below tell the dump, the trainer, the eval adapter and the exporter everything
+else they need (its feature spec, `eyas.draft.features`; its export mapping, `eyas.draft.formats`),
+so none of them branches on the kind's name or a flag (docs/heads.md, "Adding a head kind").
 
 Semantics (EAGLE): at position t the head reads the feature f_t (the target's hidden state
 at t for step 0) and the embedding of token x_{t+1}, and predicts x_{t+2}. Step k > 0 reads
@@ -29,6 +30,7 @@ from eyas.draft.config import HeadConfig, target_shapes
 from eyas.draft.features import LAST_HIDDEN, FeatureSpec
 from eyas.draft.formats import KindExport
 from eyas.draft.kinds import kind_rules
+from eyas.draft.layouts import SHARED_LAYER, Layout
 from eyas.errors import EyasError
 
 
@@ -40,15 +42,10 @@ class DraftHead(nn.Module):
     feature_spec: ClassVar[FeatureSpec] = LAST_HIDDEN
     # its batch / manifest key ("aux_hidden" or "last_hidden"), always `feature_spec.name`
     feature: ClassVar[str] = LAST_HIDDEN.name
-    # one layer serves every draft step (training uses the TTT mask, eval the shared-layer adapter);
-    # False: one layer per step, each with its own KV cache
-    shares_layer: ClassVar[bool] = True
+    # how it drafts, from its recipe rules (`KindRules.layout`): the stages ask it, never the kind
+    layout: ClassVar[Layout] = SHARED_LAYER
     # the token a step k > 0 reads in training: its own drafted token ("draft") or the data's ("data")
     default_token_feed: ClassVar[str] = "draft"
-    # drafts a whole block in one forward (DFlash): `training_logits` and `block_logits` instead of `step`
-    drafts_block: ClassVar[bool] = False
-    # EAGLE-1 regresses the next feature and trains a single step
-    feature_regression: ClassVar[bool] = False
     # may predict over the reduced draft vocabulary (d2t/t2d); else always the target's full one
     supports_draft_vocab: ClassVar[bool] = False
     # what `eyas export` writes it as, per engine format (names, shapes, config.json, serving)
@@ -57,6 +54,8 @@ class DraftHead(nn.Module):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls.feature = cls.feature_spec.name  # one source: the spec the kind declares
+        if "kind" in cls.__dict__:
+            cls.layout = kind_rules(cls.kind).layout  # one source: the kind's recipe rules
 
     def __init__(self, cfg: HeadConfig, d2t: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -121,19 +120,20 @@ class DraftHead(nn.Module):
         """
         raise NotImplementedError
 
-    def mask_inputs(self, tokens: torch.Tensor, feature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The (tokens, feature) a step k > 0 reads instead of the previous step's, for a head that drafts its
-        steps in parallel from mask slots (peagle); None: it reads what the previous step gave."""
+    @classmethod
+    def unroll_steps(cls, ttt_steps: int) -> int:
+        """The draft steps one training forward unrolls for `train.ttt_steps` (the held-out eval unrolls all)."""
+        return ttt_steps
+
+    def next_feature(self, hidden: torch.Tensor, target_feature: torch.Tensor) -> torch.Tensor:
+        """The feature step k+1 reads, from step k's output `hidden` and step 0's (the target's) feature."""
+        return hidden
+
+    def feature_loss_sum(self, hidden: torch.Tensor, last_hidden: torch.Tensor, loss_mask: torch.Tensor
+                         ) -> torch.Tensor | None:
+        """A loss on step 0's output hidden besides the token loss, summed over the loss mask (None: the kind
+        has none; EAGLE-1 regresses the target's next feature)."""
         return None
-
-    @property
-    def parallel_drafting(self) -> bool:
-        """Whether steps k > 0 read `mask_inputs` (known before drafting: they can run in one forward)."""
-        return False
-
-    def chains_hidden(self) -> bool:
-        """Whether step k+1 reads step k's output hidden (else the target's feature again)."""
-        return True
 
     def max_depth(self) -> int | None:
         """The deepest draft step this head can make (None: any, one layer serves every step)."""

@@ -11,6 +11,10 @@ every registered kind has an entry here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from eyas.draft.layouts import BLOCK, LAYER_PER_STEP, PARALLEL_SLOTS, SHARED_LAYER, Layout
+from eyas.errors import EyasError
 
 # Display names of the serving engines, by export format.
 ENGINES = {"sglang": "SGLang", "vllm": "vLLM"}
@@ -30,11 +34,9 @@ class KindRules:
     """A kind's rules about recipes and saved configs (the defaults are a plain one-layer head)."""
 
     title: str = ""  # how messages name the kind's architecture ("EAGLE-3")
+    # how it drafts (eyas.draft.layouts): what every stage builds for it
+    layout: Layout = SHARED_LAYER
     variants: tuple[Variant, ...] = ()
-    # one layer (mtp) or block slot (dflash) per draft step, each trained only by its own step:
-    # train.ttt_steps defaults to, and must equal, draft.num_steps
-    unroll_per_layer: bool = False
-    step_unit: str = "layers"  # what draft.num_steps counts, as messages name it
     # trains its lm_head unless `draft.train_lm_head: false` (configs from before that field: this value)
     trains_lm_head: bool = False
     # its mask slots carry a vector of their own (`mask_embedding`), trained unless `draft.train_mask_embedding: false`
@@ -51,12 +53,11 @@ KIND_RULES: dict[str, KindRules] = {
     "eagle3": KindRules(title="EAGLE-3", trains_lm_head=True, attention_bias_from_target=False, variants=(
         Variant("norm_before_fc", "eagle3_norm_before_fc", ("vllm",)),
         Variant("norm_before_residual", "eagle3_norm_before_residual", ("vllm",)))),
-    "mtp": KindRules(title="MTP", unroll_per_layer=True),
-    # one forward drafts the block; the unroll's step k is the block's mask slot k+1, num_steps slots
+    "mtp": KindRules(title="MTP", layout=LAYER_PER_STEP),
     # EAGLE-3 drafting its steps from mask slots, all in one forward (eyas/draft/peagle.py)
-    "peagle": KindRules(title="P-EAGLE", trains_lm_head=True, attention_bias_from_target=False),
-    "dflash": KindRules(title="DFlash", unroll_per_layer=True, step_unit="mask slots", trains_lm_head=True,
-                        mask_vector=True),
+    "peagle": KindRules(title="P-EAGLE", layout=PARALLEL_SLOTS, trains_lm_head=True, attention_bias_from_target=False),
+    # one forward drafts the block; the unroll's step k is the block's mask slot k+1, num_steps slots
+    "dflash": KindRules(title="DFlash", layout=BLOCK, trains_lm_head=True, mask_vector=True),
 }
 
 
@@ -68,3 +69,25 @@ def kind_rules(kind: str) -> KindRules:
 def variant_fields() -> tuple[str, ...]:
     """Every variant field any kind has, in declaration order (HeadConfig fields)."""
     return tuple(v.field for rules in KIND_RULES.values() for v in rules.variants)
+
+
+def check_draft_section(draft: Any, export_to: str) -> None:
+    """The recipe's kind-only `draft` keys, each for its own kind: a layer variant for its kind and for the
+    export formats that serve it, a frozen mask vector for a kind that has one."""
+    for owner, rules in KIND_RULES.items():
+        for variant in rules.variants:
+            key = variant.recipe_key
+            if not getattr(draft, key, False):
+                continue
+            if owner != draft.kind:
+                raise EyasError(f"recipe key 'draft.{key}' is true, but draft.kind is '{draft.kind}': it is an "
+                                f"{rules.title} layer variant; set draft.kind={owner} or draft.{key}=false")
+            if export_to not in variant.formats:  # refused before training, not after it at the export stage
+                serves = variant.formats[0]
+                raise EyasError(f"recipe key 'draft.{key}' is true, but export.to is '{export_to}', whose "
+                                f"{rules.title} model has no such variant; set export.to={serves} ({ENGINES[serves]} "
+                                f"serves it) or draft.{key}=false")
+    own = kind_rules(draft.kind)
+    if not draft.train_mask_embedding and not own.mask_vector:
+        raise EyasError(f"recipe key 'draft.train_mask_embedding' is false, but a {own.title or draft.kind} "
+                        "draft has no mask vector to freeze (a dflash draft has); remove the key")

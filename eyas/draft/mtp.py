@@ -134,7 +134,7 @@ EXPORT = KindExport(
                              to_eyas=_to_eyas, serve_flags=" --enable-multi-layer-eagle",
                              aliases=tuple(sorted(set(SGLANG_MTP_CLASSES.values()))), read_config=_read_config),
         "vllm": FormatSpec(VLLM_ARCHITECTURE, "mtp", _shapes, _vllm_config, to_engine=_to_engine, to_eyas=_to_eyas,
-                           check_steps=_check_vllm_steps, read_config=_read_config),
+                           check_steps=_check_vllm_steps, read_config=_read_config, plugin="eyas.serving.vllm_mtp"),
     },
     from_target=frozenset({"embed_tokens.weight", "lm_head.weight"}),
     check=_check_full_vocab,
@@ -146,7 +146,6 @@ EXPORT = KindExport(
 
 class MTPHead(DraftHead):
     kind = "mtp"
-    shares_layer = False
     default_token_feed = "data"
     supports_draft_vocab = True
     export = EXPORT
@@ -167,8 +166,9 @@ class MTPHead(DraftHead):
         hidden = layer(embeds, feature, cos, sin, attention_mask, past_key_values, k)
         return hidden, self.lm_head(layer.norm(hidden))
 
-    def chains_hidden(self) -> bool:
-        return self.config.mtp_feed != "target"
+    def next_feature(self, hidden, target_feature):
+        """`mtp_feed: chain` reads the previous layer's hidden, `target` the target's feature at every step."""
+        return target_feature if self.config.mtp_feed == "target" else hidden
 
     def max_depth(self) -> int:
         return self.num_layers

@@ -5,9 +5,9 @@ reads, instead of the previous step's hidden and drafted token, one learned feat
 `mask_hidden` [3H] (a fused-layer-wide vector, through the same `fc`) and `mask_token_id` (the
 target's embedding of it, frozen). The attention is the training-time test's (step k at slot t sees
 the context up to t and its own slot's earlier steps), so training is the TTT unroll with the mask
-inputs (`mask_inputs`), and at inference the K steps' inputs are known before any is drafted: vLLM
+inputs (`mask_slots`), and at inference the K steps' inputs are known before any is drafted: vLLM
 runs the bonus slot and the K-1 mask slots in one forward. eyas's eval runs them the same way
-(the shared layer adapter, `eyas.eval.head_draft.SharedLayerDraft`: step 0 at commit, then the
+(the parallel-slots adapter, `eyas.eval.head_draft.ParallelSlotsDraft`: step 0 at commit, then the
 mask slots of every depth in one forward), with the same inputs and masks, so the drafts are the
 same.
 
@@ -62,7 +62,8 @@ EXPORT = KindExport(
     formats={"vllm": FormatSpec(VLLM_ARCHITECTURE, "eagle3", _shapes, _vllm_config, biases=_EAGLE3_VLLM.biases,
                                 to_engine=_EAGLE3_VLLM.to_engine, to_eyas=_EAGLE3_VLLM.to_eyas,
                                 prepare=_to_engine_rows, restore=_from_engine_rows,
-                                speculative_extra={"parallel_drafting": True}, read_config=_read_config)},
+                                speculative_extra={"parallel_drafting": True}, read_config=_read_config,
+                                engine_model=_EAGLE3_VLLM.engine_model)},  # vLLM builds P-EAGLE in its EAGLE-3 class
     from_target=eagle3.EXPORT.from_target,
     check=eagle3.EXPORT.check,
 )
@@ -81,11 +82,9 @@ class PEagleHead(eagle3.Eagle3Head):
         super()._build(cfg)
         self.mask_hidden = nn.Parameter(torch.zeros(3 * cfg.hidden_size))
 
-    @property
-    def parallel_drafting(self) -> bool:
-        return True
-
-    def mask_inputs(self, tokens: torch.Tensor, feature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def mask_slots(self, tokens: torch.Tensor, feature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (tokens, feature) every step k > 0 reads, shaped as the `tokens` and `feature` it replaces: the
+        mask token and fc(mask_hidden), whatever was drafted (`eyas.draft.layouts.PARALLEL_SLOTS`)."""
         ids = torch.full_like(tokens, self.config.mask_token_id)
         mask_feature = self.project(self.mask_hidden[None]).to(feature.dtype)[0]
         return ids, mask_feature.expand_as(feature)

@@ -1,5 +1,4 @@
-"""The head kinds eyas trains: one line per kind. Adding a kind is a new file, a line here and its
-recipe rules in `eyas.draft.kinds` (docs/heads.md, "Adding a head kind")."""
+"""The head kinds eyas trains: one line per kind (how to add one: docs/heads.md, "Adding a head kind")."""
 
 from __future__ import annotations
 
