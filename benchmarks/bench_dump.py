@@ -74,8 +74,8 @@ def _fresh_run(root: Path, name: str, prepared: Path, samples: int, max_length: 
 
 def _batches(dataset, dump_cfg) -> list[tuple[torch.Tensor, list[int]]]:
     """The dump's own batches (same plan), padded, built ahead of time for the baselines."""
+    from eyas.data.batches import budget_batches
     from eyas.data.dump import pad_right, plan_shards, sample_lengths
-    from eyas.data.shards import budget_batches
 
     lengths = sample_lengths(dataset)
     out = []
@@ -156,7 +156,7 @@ def time_dump(recipe, model, tokenizer, use_output_hidden_states: bool = False) 
 
 def reconstruction_error(shard_dir: Path, reference_dir: Path, limit: int = 40) -> dict:
     """Relative RMS error per feature block against the bf16 dump (same samples, same order)."""
-    from eyas.data.shards import ShardReader
+    from eyas.data.shard_reader import ShardReader
 
     test, ref = ShardReader(shard_dir), ShardReader(reference_dir)
     errors: dict[str, list[float]] = {}
@@ -175,7 +175,9 @@ def reconstruction_error(shard_dir: Path, reference_dir: Path, limit: int = 40) 
 def first_batch_times(root: Path, counts: list[int], repeats: int) -> dict:
     """Synthetic dumps of tiny samples: open + loader + first batch, median over repeats."""
     from eyas.data.dump import finalize_split, manifest_features
-    from eyas.data.shards import SCHEMA_VERSION, ShardReader, encode, write_shard
+    from eyas.data.shard_format import SCHEMA_VERSION, encode
+    from eyas.data.shard_reader import ShardReader
+    from eyas.data.shard_writer import write_shard
     from eyas.train.loader import TokenBudgetLoader
 
     hidden, length, per_shard = 64, 4, 25000
@@ -226,7 +228,7 @@ class WholeShardWriter:
             self.parts.setdefault(name, []).append(t)
 
     def finish(self) -> dict:
-        from eyas.data.shards import write_shard
+        from eyas.data.shard_writer import write_shard
 
         tensors = {name: torch.cat(parts) for name, parts in self.parts.items()}
         tensors["offsets"] = torch.from_numpy(np.concatenate([[0], np.cumsum(self.lengths)])).long()
@@ -330,7 +332,7 @@ def memory_runs(root: Path, sizes: tuple[int, int], repeats: int) -> dict:
 def bytes_per_token_8b(recipe) -> int:
     """Bytes a token takes in the 8B recipe's shards: its features as `encode` stores them, id and mask."""
     from eyas.data.dump import feature_spec
-    from eyas.data.shards import encode, ids_dtype
+    from eyas.data.shard_format import encode, ids_dtype
 
     spec = feature_spec(recipe, SimpleNamespace(num_hidden_layers=LLAMA_8B["num_hidden_layers"]))
     x = torch.zeros(1, LLAMA_8B["hidden_size"])

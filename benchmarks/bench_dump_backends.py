@@ -107,7 +107,7 @@ def run_backend(recipe, recipe_file: Path, threads: int) -> dict:
 
 def agreement(vllm_dir: Path, transformers_dir: Path) -> dict:
     """Per stored feature: the relative RMS of vLLM's values against transformers', and the share that differ."""
-    from eyas.data.shards import ShardReader
+    from eyas.data.shard_reader import ShardReader
 
     ours, theirs = ShardReader(vllm_dir), ShardReader(transformers_dir)
     if len(ours) != len(theirs):

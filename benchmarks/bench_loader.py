@@ -56,7 +56,8 @@ TARGET_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_hea
 def write_dump(directory: Path, lengths: np.ndarray, hidden: int, vocab: int, shard_tokens: int) -> dict:
     """fp8 eagle3 shards (three fused layers + last hidden) of random features, as `eyas dump` lays them out."""
     from eyas.data.dump import finalize_split, plan_shards
-    from eyas.data.shards import SCHEMA_VERSION, encode, ids_dtype, write_shard
+    from eyas.data.shard_format import SCHEMA_VERSION, encode, ids_dtype
+    from eyas.data.shard_writer import write_shard
 
     plan = "bench-loader-plan"
     directory.mkdir(parents=True, exist_ok=True)
@@ -97,7 +98,7 @@ class DecodedOnly:
 
 def one_run(directory: Path, path: str, args: argparse.Namespace) -> dict:
     """One epoch through one path; tokens/s from the first batch received to the last."""
-    from eyas.data.shards import ShardReader
+    from eyas.data.shard_reader import ShardReader
     from eyas.train.loader import BatchStream, TokenBudgetLoader, stored_bytes, to_device
 
     reader = ShardReader(directory)

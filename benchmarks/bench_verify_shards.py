@@ -15,7 +15,7 @@ tokens) is written once; then, interleaved, `--repeats` times each:
   checksums, which the reader hashes whole, sha256, at their first read);
 - the first `--batches` batches (every sample read for the first time, so every one is
   checked), verification off and on;
-- `eyas verify`'s full check (`eyas.data.shards.verify`).
+- `eyas verify`'s full check (`eyas.data.shard_verify.verify`).
 
 Files are read from the page cache (written just before), so the ratios are CPU costs; a cold
 disk adds the same read time to both sides, except for `legacy`, which reads whole shards.
@@ -46,7 +46,8 @@ RESULTS = Path(__file__).parent / "results" / "bench_verify_shards.json"
 def write_dump(directory: Path, samples: int, hidden: int, shard_tokens: int, seed: int = 0) -> dict:
     """A dump of random features with the layout `eyas dump` writes (fp8, eagle3 + last hidden)."""
     from eyas.data.dump import finalize_split, plan_shards
-    from eyas.data.shards import SCHEMA_VERSION, encode, write_shard
+    from eyas.data.shard_format import SCHEMA_VERSION, encode
+    from eyas.data.shard_writer import write_shard
 
     rng = np.random.default_rng(seed)
     lengths = rng.integers(64, 321, size=samples)
@@ -78,7 +79,7 @@ def legacy_copy(source: Path, target: Path) -> None:
     from safetensors.torch import save
 
     from eyas.data.dump import finalize_split
-    from eyas.data.shards import CHECKSUM
+    from eyas.data.shard_format import CHECKSUM
 
     shutil.copytree(source, target)
     manifest = json.loads((target / "manifest.json").read_text())
@@ -108,7 +109,7 @@ class Clock:
 
 def read_batches(directory: Path, verify: bool, token_budget: int, batches: int) -> Clock:
     """Open the dump, build the loader, read `batches` batches (1: the time to first batch)."""
-    from eyas.data.shards import ShardReader
+    from eyas.data.shard_reader import ShardReader
     from eyas.train.loader import TokenBudgetLoader
 
     gc.collect()  # the previous measurement's readers are freed here, not inside this one
@@ -139,7 +140,7 @@ def main() -> int:
     out = output_path(args.out, RESULTS, args.smoke)
     torch.manual_seed(0)
 
-    from eyas.data.shards import verify
+    from eyas.data.shard_verify import verify
 
     root = Path(tempfile.mkdtemp(prefix="eyas-bench-verify-"))
     current, legacy = root / "shards", root / "legacy"

@@ -508,7 +508,7 @@ def token_errors(test_dir: Path, ref_dir: Path) -> dict[str, list[float]]:
     """Per token and stored feature (each fused layer apart, then last_hidden): ||a - b|| / ||b||, b the reference."""
     import torch
 
-    from eyas.data.shards import ShardReader
+    from eyas.data.shard_reader import ShardReader
 
     test, ref = ShardReader(test_dir), ShardReader(ref_dir)
     rows = {test.prepared_index(i): i for i in range(len(test))}

@@ -31,7 +31,7 @@ Rank 0 writes index, vocabulary and manifest once every shard exists: co-launche
 final single-process `eyas dump --finalize`, which loads no weights and refuses a missing shard
 (a plain rerun of `eyas dump` that finds everything done does the same, with the target loaded).
 
-Layout: `run_dir/shards/` (train) and `run_dir/shards/heldout/`, see `eyas.data.shards`.
+Layout: `run_dir/shards/` (train) and `run_dir/shards/heldout/`, see `eyas.data.shard_format`.
 """
 
 from __future__ import annotations
@@ -49,21 +49,11 @@ import numpy as np
 import torch
 
 from eyas.config import Recipe, check_against_target, default_layers, save_resolved
+from eyas.data.batches import budget_batches
 from eyas.data.dump_vllm import VllmCapture, vllm_version
 from eyas.data.prepare import load_prepared, prepared_info, tokenizer_identity
-from eyas.data.shards import (
-    MANIFEST,
-    SCHEMA_VERSION,
-    ShardWriter,
-    budget_batches,
-    build_index,
-    check_shard,
-    encode,
-    ids_dtype,
-    read_sidecar,
-    shard_name,
-    wait_for,
-)
+from eyas.data.shard_format import MANIFEST, SCHEMA_VERSION, encode, ids_dtype, shard_name
+from eyas.data.shard_writer import ShardWriter, build_index, check_shard, read_sidecar, wait_for
 from eyas.data.vocab import count_tokens, write_vocab
 from eyas.draft.features import FUSED_LAYERS, LAST_HIDDEN
 from eyas.draft.registry import head_class

@@ -1,6 +1,6 @@
 """The dump's memory model: bytes per token on disk, and the memory a dump needs, per GPU and per host rank.
 
-Counted from this stage's own code (`dump.py`'s batches and features, `shards.py`'s encodings), so it
+Counted from this stage's own code (`dump.py`'s batches and features, `shard_format.py`'s encodings), so it
 lives beside it; `eyas plan` composes it with the trainer's and eval's, and the types it shares with
 them are `eyas.memory`'s. Checked against measured peak memory by `benchmarks/bench_plan.py`.
 """
@@ -13,7 +13,7 @@ import torch
 
 from eyas.config import Recipe
 from eyas.data.dump import feature_spec
-from eyas.data.shards import encode, ids_dtype
+from eyas.data.shard_format import encode, ids_dtype
 from eyas.draft.config import text_config
 from eyas.memory import (
     CUDA_RUNTIME,
@@ -40,7 +40,7 @@ VLLM_GPU_MEMORY_UTILIZATION = 0.9
 def shard_bytes(recipe: Recipe, config: Any) -> dict[str, int]:
     """Bytes per token on disk, per stored feature: `feature_spec`'s features encoded as the dump encodes them.
 
-    Each feature row is encoded once here (data/shards.py `encode`: fp8/int8 = 1 byte per value + a bf16
+    Each feature row is encoded once here (data/shard_format.py `encode`: fp8/int8 = 1 byte per value + a bf16
     scale per token and layer, int4 = half a byte + a scale per 32 values), plus the token id
     (`ids_dtype`) and the loss mask (1 byte). Per sample the shard adds 24 bytes (offset, prepared row, CRC).
     """

@@ -94,7 +94,7 @@ _TABLE = (
     Command("quickstart", "eyas.quickstart", "the whole pipeline on the embedded default target, on a CPU"),
     Command("submit", "eyas.slurm.submit", "render and submit SLURM jobs for a recipe's stages"),
     Command("launch", "eyas.launch", "torchrun or accelerate launch whose SIGTERM/SIGINT saves a checkpoint and exits 0"),
-    Command("verify", "eyas.data.shards", "check a run's shards in full: sizes, headers, checksums, offsets"),
+    Command("verify", "eyas.data.shard_verify", "check a run's shards in full: sizes, headers, checksums, offsets"),
     Command("plan", "eyas.plan", "GPU and host memory, shard bytes and optimizer steps per stage, before anything runs"),
 )
 

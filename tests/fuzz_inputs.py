@@ -467,7 +467,9 @@ def small_dump() -> Dump:
     from safetensors.torch import save
 
     from eyas.data.dump import finalize_split
-    from eyas.data.shards import CHECKSUM, SCHEMA_VERSION, ShardReader, encode, write_shard
+    from eyas.data.shard_format import CHECKSUM, SCHEMA_VERSION, encode
+    from eyas.data.shard_reader import ShardReader
+    from eyas.data.shard_writer import write_shard
 
     folder = Path(tempfile.mkdtemp(prefix="eyas-fuzz-dump-"))
     g = torch.Generator().manual_seed(0)
@@ -555,7 +557,9 @@ SHARD_CASES = shard_cases()
 def check_shards(work: Path, case: ShardCase) -> str:
     """Opening the damaged dump and reading every sample gives the samples as written, or one line; so do
     the trainer's fit check, `eyas verify` and the dump's resume check (never an exception of another kind)."""
-    from eyas.data.shards import ShardReader, check_shard, verify
+    from eyas.data.shard_reader import ShardReader
+    from eyas.data.shard_verify import verify
+    from eyas.data.shard_writer import check_shard
     from eyas.train.data import check_shards_fit
 
     dump = small_dump()

@@ -19,7 +19,9 @@ from eyas.config import load_recipe
 from eyas.data import dump as dump_module
 from eyas.data.dump import dump
 from eyas.data.prepare import load_prepared, prepare
-from eyas.data.shards import ShardReader, decode, encode, verify
+from eyas.data.shard_format import decode, encode
+from eyas.data.shard_reader import ShardReader
+from eyas.data.shard_verify import verify
 from eyas.data.vocab import load_vocab
 from eyas.errors import EyasError
 
@@ -264,12 +266,12 @@ def test_rerun_trusts_finished_shards_and_reverify_rehashes(workspace, capsys, m
     """A rerun hashes no finished shard (sidecar, size and header only); the reader still stops at the
     corrupt sample; `eyas dump --reverify` hashes them all and redoes the corrupt one."""
     from eyas.cli import main
-    from eyas.data import shards as shards_module
+    from eyas.data import shard_writer
 
     trusting, shard_dir, original, flipped = _copy_with_a_flipped_byte(workspace, "trusting")
     hashed = []
-    real_sha256 = shards_module.sha256_file
-    monkeypatch.setattr(shards_module, "sha256_file", lambda path: hashed.append(Path(path).name) or real_sha256(path))
+    real_sha256 = shard_writer.sha256_file
+    monkeypatch.setattr(shard_writer, "sha256_file", lambda path: hashed.append(Path(path).name) or real_sha256(path))
     capsys.readouterr()
     dump(trusting)
     assert "redoing" not in capsys.readouterr().out and hashed == []
@@ -290,7 +292,7 @@ def test_rerun_trusts_finished_shards_and_reverify_rehashes(workspace, capsys, m
 
 def test_sidecar_that_disagrees_with_the_manifest_is_hashed(workspace):
     """A shard rewritten after the manifest (its sidecar's sha256 differs from the manifest's) is checked in full."""
-    from eyas.data.shards import check_shard
+    from eyas.data.shard_writer import check_shard
 
     recipe = _run(workspace, "uninterrupted")
     if not (recipe.run_dir / "shards" / "manifest.json").exists():
@@ -315,7 +317,8 @@ def test_streamed_shards_equal_the_whole_shard_writer(workspace, tmp_path):
     (the in-memory writer the dump used before it streamed), and so does its sidecar."""
     from safetensors import safe_open
 
-    from eyas.data.shards import CHECKSUM, write_shard
+    from eyas.data.shard_format import CHECKSUM
+    from eyas.data.shard_writer import write_shard
 
     recipe = _run(workspace, "compact-stream", "dump.low_layer_encoding=int4", "dump.teacher=topk", "dump.topk=8")
     manifest = dump(recipe)
@@ -336,7 +339,7 @@ def test_shard_writer_in_batches_is_byte_identical(tmp_path, encodings):
     """Rows handed over in uneven batches (one sample, several, the rest) make `write_shard`'s bytes."""
     import numpy as np
 
-    from eyas.data.shards import ShardWriter, write_shard
+    from eyas.data.shard_writer import ShardWriter, write_shard
 
     torch.manual_seed(0)
     lengths = np.array([9, 7, 7, 4, 2, 1, 1])
@@ -367,8 +370,8 @@ def test_shard_writer_full_disk_leaves_nothing(tmp_path, monkeypatch):
 
     import numpy as np
 
-    from eyas.data import shards as shards_module
-    from eyas.data.shards import ShardWriter
+    from eyas.data import shard_writer
+    from eyas.data.shard_writer import ShardWriter
 
     def no_space(*args):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -376,13 +379,13 @@ def test_shard_writer_full_disk_leaves_nothing(tmp_path, monkeypatch):
     writer = ShardWriter(tmp_path, 7, np.array([3]), np.array([0]), {})
     rows = {"input_ids": torch.zeros(3, dtype=torch.int32), "loss_mask": torch.ones(3, dtype=torch.uint8)}
     writer.write(rows, 1)
-    monkeypatch.setattr(shards_module.os, "fsync", no_space)
+    monkeypatch.setattr(shard_writer.os, "fsync", no_space)
     with pytest.raises(EyasError, match=r"cannot write '.*shard-00007.safetensors': No space left on device"):
         writer.finish()
     assert list(tmp_path.iterdir()) == []
     monkeypatch.undo()
     writer = ShardWriter(tmp_path, 7, np.array([3]), np.array([0]), {})
-    monkeypatch.setattr(shards_module.os, "pwrite", no_space)
+    monkeypatch.setattr(shard_writer.os, "pwrite", no_space)
     with pytest.raises(EyasError, match=r"cannot write '.*shard-00007.safetensors': No space left on device"):
         writer.write(rows, 1)
     assert list(tmp_path.iterdir()) == []
@@ -505,7 +508,7 @@ import json, sys
 import numpy as np, torch
 from eyas.config import load_recipe
 from eyas.data import dump as dump_module
-from eyas.data.shards import write_shard
+from eyas.data.shard_writer import write_shard
 from eyas.targets import load_target
 
 class WholeShardWriter:

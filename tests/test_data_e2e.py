@@ -9,7 +9,8 @@ import torch
 
 from eyas.cli import main as eyas_main
 from eyas.data.prepare import load_prepared
-from eyas.data.shards import ShardReader, verify
+from eyas.data.shard_reader import ShardReader
+from eyas.data.shard_verify import verify
 from eyas.data.vocab import load_vocab
 from eyas.train.loader import TokenBudgetLoader
 

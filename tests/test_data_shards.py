@@ -8,8 +8,11 @@ import numpy as np
 import pytest
 import torch
 
+from eyas.data.batches import budget_batches
 from eyas.data.dump import finalize_split
-from eyas.data.shards import SCHEMA_VERSION, ShardReader, budget_batches, encode, write_shard
+from eyas.data.shard_format import SCHEMA_VERSION, encode
+from eyas.data.shard_reader import ShardReader
+from eyas.data.shard_writer import write_shard
 from eyas.errors import EyasError
 from eyas.train.loader import TokenBudgetLoader
 
@@ -186,12 +189,12 @@ def test_full_disk_is_a_clear_error_naming_the_file(tmp_path, monkeypatch):
     import errno
     import os
 
-    from eyas.data import shards
+    from eyas.data import shard_writer
 
     def no_space(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(shards.os, "fsync", no_space)
+    monkeypatch.setattr(shard_writer.os, "fsync", no_space)
     tensors = {"input_ids": torch.zeros(4, dtype=torch.int32), "loss_mask": torch.ones(4, dtype=torch.uint8),
                "offsets": torch.tensor([0, 4]), "sample_index": torch.tensor([0])}
     with pytest.raises(EyasError, match=r"cannot write '.*shard-00007.safetensors': No space left on device"):

@@ -113,7 +113,7 @@ def test_the_vllm_dump_stores_the_transformers_features(workspace, vllm_dump, mo
     1.2e-6 (the normed last); a rounding to fp16 can move by one step, and near 0, where fp16 steps are
     finer than 1.2e-6, by that much. Measured: 0.15% of the values differ at all, by at most 0.1%."""
     from eyas.data.dump import dump
-    from eyas.data.shards import ShardReader
+    from eyas.data.shard_reader import ShardReader
 
     root, target, hf_recipe = workspace
     recipe, manifest = vllm_dump

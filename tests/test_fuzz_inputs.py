@@ -72,7 +72,8 @@ def test_a_damaged_dump_reads_back_as_written_or_is_refused_in_one_line(work, ca
 
 def test_the_small_dump_reads_back_whole(work):
     """The undamaged dump passes every check the fuzzed ones are held to (so a refusal above is the damage's)."""
-    from eyas.data.shards import ShardReader, verify
+    from eyas.data.shard_reader import ShardReader
+    from eyas.data.shard_verify import verify
 
     dump = small_dump()
     check_shards(work, ShardCase("manifest.json", dump.files["manifest.json"], "bytes"))

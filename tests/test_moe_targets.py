@@ -18,7 +18,8 @@ from fixtures import build_tiny_target
 from train_helpers import make_workspace, new_run
 
 from eyas.config import default_layers, load_recipe
-from eyas.data.shards import ShardReader, verify
+from eyas.data.shard_reader import ShardReader
+from eyas.data.shard_verify import verify
 from eyas.eval.cli import main as eval_main
 from eyas.train.checkpoint import best_checkpoint
 from eyas.train.export import export_draft, load_exported

@@ -18,7 +18,9 @@ import torch
 from eyas.config import load_recipe
 from eyas.data.dump import dump
 from eyas.data.prepare import prepare
-from eyas.data.shards import CHECKSUM, ShardReader, read_header, verify
+from eyas.data.shard_format import CHECKSUM, read_header
+from eyas.data.shard_reader import ShardReader
+from eyas.data.shard_verify import verify
 from eyas.errors import EyasError
 from eyas.train.loader import TokenBudgetLoader
 

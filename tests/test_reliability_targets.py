@@ -46,7 +46,7 @@ def test_a_byte_identical_copy_elsewhere_is_the_same_target(tmp_path, tiny_llama
 
     from eyas.data.dump import dump
     from eyas.data.prepare import prepare
-    from eyas.data.shards import ShardReader
+    from eyas.data.shard_reader import ShardReader
 
     copy = shutil.copytree(tiny_llama_dir, tmp_path / "elsewhere" / "target-copy")
     assert _identity(copy) == _identity(tiny_llama_dir)

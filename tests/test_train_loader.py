@@ -19,7 +19,9 @@ import torch
 
 from eyas.config import load_recipe
 from eyas.data.dump import finalize_split
-from eyas.data.shards import SCHEMA_VERSION, ShardReader, encode, read_header, write_shard
+from eyas.data.shard_format import SCHEMA_VERSION, encode, read_header
+from eyas.data.shard_reader import ShardReader
+from eyas.data.shard_writer import write_shard
 from eyas.errors import EyasError
 from eyas.train.loader import STORED, BatchStream, TokenBudgetLoader, pad_batch, read_batch, stored_bytes, to_device
 

@@ -3,7 +3,7 @@ lm_head / norm (the batches themselves come from `eyas.train.loader`).
 
 Shards that do not fit the draft (an eagle3 head without the three fused layers, a hidden
 size other than the target's, no teacher) are refused before any training step. Shards are
-verified as `eyas.data.shards.ShardReader` describes: identity, sizes and every shard's header
+verified as `eyas.data.shard_reader.ShardReader` describes: identity, sizes and every shard's header
 (plan fingerprint) at open; offsets at a shard's first read; each sample's checksum at its first
 read, in the loader's workers, so a corrupt or foreign shard stops the run before the step that
 would use it, with the file, what differs and the fix.
@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from eyas.data.shards import MANIFEST, ShardReader
+from eyas.data.shard_format import MANIFEST
+from eyas.data.shard_reader import ShardReader
 from eyas.draft.features import LAST_HIDDEN
 from eyas.draft.registry import head_class
 from eyas.errors import EyasError

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from eyas.data.shards import budget_batches, decode_sample, feature_parts
+from eyas.data.batches import budget_batches
+from eyas.data.shard_format import decode_sample, feature_parts
 from eyas.errors import EyasError
 
 STORED = "stored"  # batch key of the `Stored` note on a batch of codes (removed when decoded)

@@ -49,8 +49,8 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from eyas import stages
 from eyas.config import Recipe, check_against_target, default_layers, parse_loss_mix, save_resolved
+from eyas.data.batches import budget_batches
 from eyas.data.prepare import load_prepared
-from eyas.data.shards import budget_batches
 from eyas.data.vocab import VOCAB_FILE, build_vocab, count_tokens, load_vocab
 from eyas.draft.checkpoint import save_draft
 from eyas.draft.head import DraftHead, count_parameters, init_layers_from_target
@@ -465,7 +465,7 @@ class Trainer:
             f"non-finite loss at step {self.state.step + 1} (rank {self.accelerator.process_index}: loss {value}, "
             f"micro-batch {index + 1}/{self.cfg.grad_accum}, data epoch {position['epoch']} batch {position['position']}); "
             f"stopped before the optimizer step. Last good checkpoint: {last or 'none yet'}. "
-            "Lower train.lr or check the shards (eyas.data.shards.verify), then resume from it"
+            "Lower train.lr or check the shards (eyas.data.shard_verify.verify), then resume from it"
         )
 
     def _step_metrics(self, totals: Totals, counts: torch.Tensor, grad_norm: Any, lr: float, steps: int) -> dict:
