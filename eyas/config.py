@@ -28,7 +28,8 @@ from typing import Any
 
 import yaml
 
-from eyas.draft.kinds import KIND_RULES, check_draft_section, kind_rules
+from eyas.draft.kinds import check_option, check_variants, foreign_option, option_fields
+from eyas.draft.registry import KINDS, kind_rules
 from eyas.errors import EyasError
 from eyas.io import atomic_write_text
 from eyas.steering import parse_categories
@@ -194,10 +195,6 @@ class DraftConfig:
                      "drafting every step from mask slots at once) or dflash (a block of tokens per forward).", "eagle3")
     num_steps: int = _doc("mtp: independent layers, one per draft step; dflash: mask slots per block (block size "
                           "num_steps + 1, the most tokens it drafts per round).", 3)
-    num_layers: int = _doc("dflash: decoder layers of the draft stack.", 1)
-    mask_token_id: int = _doc("dflash and peagle: the token of the mask slots (dflash trains a vector in place of "
-                              "its embedding, shipped as mask_embedding.pt); -1: the target's last vocabulary id.", -1)
-    mtp_feed: str = _doc("mtp: chain (step k reads step k-1's hidden) or target (every step reads the target's).", "chain")
     intermediate_size: int = _doc("MLP width of the draft layer (0: the target's).", 0)
     use_draft_vocab: bool = _doc(
         "eagle3, peagle, mtp and dflash: predict over the reduced draft vocabulary (d2t/t2d); eagle always uses "
@@ -205,15 +202,9 @@ class DraftConfig:
     )
     train_lm_head: bool = _doc("eagle3, peagle and dflash: train the draft lm_head (initialised from the target's rows); "
                                "false freezes it.", True)
-    train_mask_embedding: bool = _doc(
-        "dflash: train the mask slots' vector (started from the target's embedding row of draft.mask_token_id, "
-        "shipped as mask_embedding.pt); false keeps the target's row, which an SGLang export needs.", True)
-    eagle3_norm_before_fc: bool = _doc(
-        "eagle3: an RMSNorm over the three fused target layers before fc (vLLM's norm_before_fc; vLLM serves it, "
-        "SGLang does not: export with --to vllm).", False)
-    eagle3_norm_before_residual: bool = _doc(
-        "eagle3: the layer's residual is hidden_norm(feature), not the feature (vLLM's norm_before_residual; vLLM "
-        "serves it, SGLang does not: export with --to vllm).", False)
+    # the recipe's keys of its kind alone (`draft.mtp_feed`, `draft.mask_token_id`, ...), as it set them: checked
+    # against the kind's options dataclass (`KindRules.options`, beside the kind's head), written back flat
+    options: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -335,7 +326,10 @@ class Recipe:
         return Path(self.run.output_dir) / self.run.name
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The recipe as YAML holds it: a kind's own keys sit flat in the `draft` section."""
+        out = dataclasses.asdict(self)
+        out["draft"].update(out["draft"].pop("options"))
+        return out
 
 
 # Values restricted to a set of choices, and numeric ranges: (key -> check, message).
@@ -349,8 +343,7 @@ CHOICES = {
     "dump.low_layer_encoding": ("", "bf16", "fp16", "fp8", "int8", "int4"),
     "dump.teacher": ("last_hidden", "topk"),
     "dump.backend": ("transformers", "vllm"),
-    "draft.kind": tuple(KIND_RULES),  # one line per kind in eyas/draft/kinds.py
-    "draft.mtp_feed": ("chain", "target"),
+    "draft.kind": KINDS.keys(),  # one line per kind in eyas/draft/registry.py (a live view)
     "train.source": ("shards", "online"),
     "train.mixed_precision": ("auto", "fp32", "no", "bf16", "fp16"),
     "train.ttt_token_feed": ("auto", "draft", "data"),
@@ -364,7 +357,7 @@ CHOICES = {
 LOSS_NAMES = ("forward_kl", "ce", "tv", "jsd", "lk")
 
 _POSITIVE = ["train.lr", "train.token_budget", "train.grad_accum", "train.ttt_steps", "train.teacher_chunk",
-             "train.log_every", "draft.num_steps", "draft.num_layers", "data.max_length", "data.num_proc",
+             "train.log_every", "draft.num_steps", "data.max_length", "data.num_proc",
              "data.regenerate_max_new_tokens", "data.regenerate_batch_size", "dump.token_budget",
              "dump.shard_tokens", "dump.vllm_tensor_parallel_size",
              "dump.topk", "eval.max_new_tokens", "eval.answer_tokens", "data.self_prompt_temperature", "train.epochs",
@@ -460,6 +453,47 @@ def _build_section(name: str, cls: type, values: Any) -> Any:
     return cls(**kwargs)
 
 
+def _build_draft(values: Any) -> DraftConfig:
+    """The `draft` section: the keys every kind reads, and those of its kind alone (`DraftConfig.options`)."""
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise EyasError(f"recipe section 'draft' must be a mapping of keys, got {type(values).__name__}")
+    shared = [f.name for f in dataclasses.fields(DraftConfig) if f.name != "options"]
+    draft = _build_section("draft", DraftConfig, {k: v for k, v in values.items() if k in shared})
+    draft.options = _kind_options(draft.kind, {k: v for k, v in values.items() if k not in shared}, shared)
+    return draft
+
+
+def _kind_options(kind: str, keys: dict, shared: list[str]) -> dict:
+    """`keys`, the draft keys outside the shared ones, checked and typed as `kind`'s options dataclass declares them.
+
+    Only a recipe that sets such a key imports the kind's module (torch); a key of other kinds is refused naming
+    them, any other as unknown."""
+    if not keys or kind not in KINDS:
+        return dict(keys)  # nothing to check, or a kind that does not exist, which validate() refuses by name
+    rules = kind_rules(kind)
+    fields = option_fields(rules)
+    hints = typing.get_type_hints(rules.options) if rules.options else {}
+    out = {}
+    for key, value in keys.items():
+        if key not in fields:
+            owners = {k: kind_rules(k) for k in KINDS if key in option_fields(kind_rules(k))}
+            if owners:
+                raise EyasError(foreign_option(kind, rules.title, key, value, owners))
+            others = [name for k in KINDS for name in option_fields(kind_rules(k))]
+            valid = list(dict.fromkeys(shared + list(fields) + others))  # a near miss of another kind's key is named
+            raise EyasError(f"unknown recipe key {f'draft.{key}'!r}: {_suggest(str(key), valid)}")
+        out[key] = _coerce(f"draft.{key}", value, hints[key])
+        check_option(kind, rules, key, out[key])
+    return out
+
+
+def draft_config(**keys: Any) -> DraftConfig:
+    """A `draft` section from keys as a recipe writes them, a kind's own among them (for code and tests)."""
+    return _build_draft(keys)
+
+
 def _get(recipe: Recipe, dotted: str) -> Any:
     section, key = dotted.split(".")
     return getattr(getattr(recipe, section), key)
@@ -501,7 +535,8 @@ def validate(recipe: Recipe) -> Recipe:
         raise EyasError(f"recipe key 'eval.drafts' must be a list of checkpoint folders or draft specs (truncated:N, "
                         f"mixture:LAM), got {recipe.eval.drafts!r}")
     _check_self_prompts(recipe.data)
-    check_draft_section(recipe.draft, recipe.export.to)
+    if recipe.draft.options:  # a kind's own keys: its module is imported already (`_kind_options`)
+        check_variants(recipe.draft.kind, kind_rules(recipe.draft.kind), recipe.draft.options, recipe.export.to)
     if not recipe.run.name or "/" in recipe.run.name or recipe.run.name in (".", ".."):
         raise EyasError(f"recipe key 'run.name' must be a non-empty name without '/' (not . or ..), got {recipe.run.name!r}")
     check_mtp_unroll(recipe)  # here, not at train: `eyas prepare` refuses a bad mtp recipe before any work
@@ -553,11 +588,16 @@ def from_dict(raw: Any) -> Recipe:
     for name, values in raw.items():
         if name not in sections:
             raise EyasError(f"unknown recipe section {name!r}: {_suggest(str(name), list(sections))}")
-        built[name] = _build_section(name, sections[name], values)
+        built[name] = _build_draft(values) if name == "draft" else _build_section(name, sections[name], values)
     recipe = Recipe(**built)
-    unroll = kind_rules(recipe.draft.kind).layout.default_unroll(recipe.draft.num_steps)
+    entry = KINDS.get(recipe.draft.kind)  # None: validate() refuses the kind by name
+    unroll = entry.layout.default_unroll(recipe.draft.num_steps) if entry else None
     if unroll is not None and "ttt_steps" not in (raw.get("train") or {}):
         recipe.train.ttt_steps = unroll  # a layer (slot) per step (mtp, dflash): one unroll step per layer
+    for dotted, value in (entry.recipe_defaults if entry else {}).items():  # the kind's published training
+        section, key = dotted.split(".")
+        if key not in (raw.get(section) or {}):
+            setattr(getattr(recipe, section), key, value)
     return validate(recipe)
 
 
@@ -693,7 +733,8 @@ def check_against_target(recipe: Recipe, target_config: Any) -> None:
 def check_mtp_unroll(recipe: Recipe) -> None:
     """A layer-per-step draft (mtp, dflash's slots) unrolls exactly one training step per layer (its layout's rule)."""
     kind = recipe.draft.kind
-    kind_rules(kind).layout.check_unroll(kind, recipe.train.ttt_steps, recipe.draft.num_steps)
+    if kind in KINDS:
+        KINDS[kind].layout.check_unroll(kind, recipe.train.ttt_steps, recipe.draft.num_steps)
 
 
 def reference_markdown() -> str:
@@ -704,8 +745,38 @@ def reference_markdown() -> str:
         cls = _resolve(Recipe, section.name)
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
+            if f.name == "options":  # the kinds' own keys, listed below the section's
+                lines += _kind_option_rows()
+                continue
             default = getattr(getattr(defaults, section.name), f.name)
-            shown = f"`{default!r}`" if default != "" else "`''`"
-            doc = f.metadata.get("doc", "")
-            lines.append(f"| `{section.name}.{f.name}` | {hints[f.name].__name__} | {shown} | {doc} |")
+            lines.append(_reference_row(f"{section.name}.{f.name}", hints[f.name], default, f.metadata.get("doc", "")))
     return "\n".join(lines)
+
+
+def recipe_keys() -> dict[str, Any]:
+    """Every recipe key ("section.key") and its type: the sections' own, then each kind's (imports every kind)."""
+    keys = {f"{section.name}.{f.name}": typing.get_type_hints(_resolve(Recipe, section.name))[f.name]
+            for section in dataclasses.fields(Recipe) for f in dataclasses.fields(_resolve(Recipe, section.name))
+            if (section.name, f.name) != ("draft", "options")}
+    for kind in KINDS:
+        options = kind_rules(kind).options
+        keys.update({f"draft.{name}": hint for name, hint in (typing.get_type_hints(options) if options else {}).items()})
+    return keys
+
+
+def _reference_row(key: str, annotation: Any, default: Any, doc: str) -> str:
+    shown = f"`{default!r}`" if default != "" else "`''`"
+    return f"| `{key}` | {annotation.__name__} | {shown} | {doc} |"
+
+
+def _kind_option_rows() -> list[str]:
+    """A row per kind option (`draft.<key>`, its kind named in its doc), in registry order (imports every kind)."""
+    rows = []
+    for kind in KINDS:
+        options = kind_rules(kind).options
+        if options is None:
+            continue
+        hints = typing.get_type_hints(options)
+        rows += [_reference_row(f"draft.{f.name}", hints[f.name], f.default, f.metadata["doc"])
+                 for f in dataclasses.fields(options)]
+    return rows

@@ -151,11 +151,11 @@ def serving(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
 def random_head(target_dir: str | Path, kind: str, d2t=None, seed: int = 0, sharpen: bool = True, **draft):
     """(head, target, tokenizer): a randomly initialised `kind` head on the tiny target saved in `target_dir`,
     started from its embedding and lm_head; `sharpen`: q/k scaled x10 so its logits depend on positions and
-    masks (a plain random head attends almost uniformly). `draft`: more DraftConfig fields."""
+    masks (a plain random head attends almost uniformly). `draft`: more draft keys (a kind's own among them)."""
     import torch  # heavy, and only the head tests need it
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from eyas.config import DraftConfig, default_layers  # only the head tests need the draft packages
+    from eyas.config import default_layers, draft_config  # only the head tests need the draft packages
     from eyas.draft.registry import build_head
     from eyas.targets import load_target_config, target_identity
 
@@ -163,7 +163,7 @@ def random_head(target_dir: str | Path, kind: str, d2t=None, seed: int = 0, shar
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     config = load_target_config(str(target_dir))
     torch.manual_seed(seed)
-    head = build_head(DraftConfig(kind=kind, **draft), config, default_layers(config.num_hidden_layers), d2t,
+    head = build_head(draft_config(kind=kind, **draft), config, default_layers(config.num_hidden_layers), d2t,
                       target_identity(config, tokenizer))
     head.init_from_target(target)
     with torch.no_grad():

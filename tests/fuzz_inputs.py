@@ -37,7 +37,7 @@ import torch
 import yaml
 from hypothesis import strategies as st
 
-from eyas.config import CHOICES, Recipe, absolute_paths, load_recipe, save_resolved
+from eyas.config import CHOICES, Recipe, absolute_paths, load_recipe, recipe_keys, save_resolved
 from eyas.errors import EyasError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -192,6 +192,9 @@ def _typed_value(annotation: type) -> st.SearchStrategy:
     return st.one_of(right, right, right, JSON_VALUE)
 
 
+KEYS = recipe_keys()  # every section's keys and every kind's own
+
+
 @st.composite
 def recipe_documents(draw: Callable) -> Any:
     """A recipe mapping: real sections and keys (a few unknown), values of the right type or not."""
@@ -201,7 +204,7 @@ def recipe_documents(draw: Callable) -> Any:
         if cls is None or draw(st.integers(0, 9)) == 9:
             doc[name] = draw(JSON_VALUE)
             continue
-        hints = typing.get_type_hints(cls)
+        hints = {dotted.split(".")[1]: hint for dotted, hint in KEYS.items() if dotted.startswith(f"{name}.")}
         keys = draw(st.lists(st.one_of(st.sampled_from(list(hints)), TEXT), max_size=4, unique=True))
         doc[name] = {key: draw(_typed_value(hints[key]) if key in hints else JSON_VALUE) for key in keys}
     return doc
@@ -221,8 +224,6 @@ def recipe_texts(draw: Callable) -> bytes:
     return draw(mutated(data)) if source == "damaged" or draw(st.integers(0, 5)) == 5 else data
 
 
-KEYS = {f"{section}.{f.name}": typing.get_type_hints(cls)[f.name] for section, cls in SECTIONS.items()
-        for f in dataclasses.fields(cls)}
 
 
 @st.composite

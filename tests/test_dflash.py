@@ -14,7 +14,7 @@ from fixtures import random_head, target_batch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eyas.config import DraftConfig, from_dict, parse_loss_mix
+from eyas.config import draft_config, from_dict, parse_loss_mix
 from eyas.decode import SamplingParams, stop_token_ids
 from eyas.draft.checkpoint import save_draft
 from eyas.draft.head import init_layers_from_target
@@ -206,11 +206,11 @@ def test_recipe_rules():
     assert recipe.train.ttt_steps == 4  # every mask slot trains
     with pytest.raises(EyasError, match="'draft.train_mask_embedding' is false, but a P-EAGLE draft has no mask vector"):
         from_dict({"draft": {"kind": "peagle", "train_mask_embedding": False}})
-    assert not from_dict({"draft": {"kind": "dflash", "train_mask_embedding": False}}).draft.train_mask_embedding
+    assert not from_dict({"draft": {"kind": "dflash", "train_mask_embedding": False}}).draft.options["train_mask_embedding"]
     with pytest.raises(EyasError, match="mask slots 3-4 would get no gradient"):
         from_dict({"draft": {"kind": "dflash", "num_steps": 4}, "train": {"ttt_steps": 2}})
     with pytest.raises(EyasError, match="outside the target's vocabulary"):
-        build_head(DraftConfig(kind="dflash", mask_token_id=10**6),
+        build_head(draft_config(kind="dflash", mask_token_id=10**6),
                    type("Target", (), {"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
                                        "vocab_size": 384, "max_position_embeddings": 256, "num_hidden_layers": 6})(),
                    [1, 3, 5])

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from eyas.config import DraftConfig, Recipe, check_mtp_unroll, from_dict
+from eyas.config import DraftConfig, Recipe, check_mtp_unroll, draft_config, from_dict
 from eyas.data.dump import feature_spec, manifest_features
 from eyas.draft import kinds, registry
 from eyas.draft.checkpoint import save_draft
@@ -28,7 +30,7 @@ from eyas.draft.eagle import EagleHead
 from eyas.draft.features import FeatureSpec
 from eyas.draft.formats import FormatSpec, KindExport, attention_shapes, llama_config, mlp_shapes
 from eyas.draft.layouts import LAYER_PER_STEP, LAYOUTS
-from eyas.draft.registry import HEADS, KINDS, build_head, head_class
+from eyas.draft.registry import KINDS, Kind, build_head, head_class
 from eyas.errors import EyasError
 from eyas.train import export
 from eyas.train.data import check_shards_fit
@@ -97,7 +99,7 @@ def _export_case(name: str, root: Path) -> dict:
         config.save_pretrained(target_dir)
     torch.manual_seed(0)
     d2t = torch.arange(0, config.vocab_size, 3)[:DRAFT_VOCAB] - torch.arange(DRAFT_VOCAB) if reduced else None
-    head = build_head(DraftConfig(kind=kind, **draft), config, aux_layers=aux, d2t=d2t)
+    head = build_head(draft_config(kind=kind, **draft), config, aux_layers=aux, d2t=d2t)
     ckpt = save_draft(root / "ckpt", head, {"ttt_steps": 4})
     if edits:
         saved = json.loads((ckpt / "config.json").read_text())
@@ -131,7 +133,7 @@ def test_every_kind_exports_as_recorded(tmp_path, name):
 def test_every_kind_declares_a_plugin(kind):
     """Recipe rules for every kind, the feature key is the spec's, and formats the export command offers."""
     cls = head_class(kind)
-    assert kind in kinds.KIND_RULES
+    assert isinstance(cls.rules, kinds.KindRules) and cls.rules.title
     assert cls.feature == cls.feature_spec.name
     assert set(cls.export.formats) <= set(export.FORMATS) and cls.export.formats
     assert "embed_tokens.weight" in cls.export.from_target
@@ -147,7 +149,7 @@ def test_every_layout_is_built_by_every_stage():
     for table in (SCORING, ADAPTERS, BATCHED):
         assert set(table) == set(LAYOUTS)
     assert {head_class(kind).layout for kind in KINDS} == set(LAYOUTS)  # none is dead
-    assert all(head_class(kind).layout is kinds.KIND_RULES[kind].layout for kind in KINDS)
+    assert all(head_class(kind).layout is KINDS[kind].layout for kind in KINDS)
 
 
 def test_architectures_name_one_kind_and_format():
@@ -155,8 +157,8 @@ def test_architectures_name_one_kind_and_format():
     engines name DFlash's draft class the same): an architecture belongs to one kind, and with the format to
     one (kind, format)."""
     owners: dict[str, set] = {}
-    for kind, cls in HEADS.items():
-        for fmt, spec in cls.export.formats.items():
+    for kind in KINDS:
+        for fmt, spec in head_class(kind).export.formats.items():
             for architecture in (spec.architecture, *spec.aliases):
                 owners.setdefault(architecture, set()).add(kind)
             assert export.exported_kind({"architectures": [spec.architecture], "eyas": {"format": fmt}}) == (kind, fmt)
@@ -205,6 +207,7 @@ class ToyHead(EagleHead):
     """EAGLE-1's network under another kind: its own feature, names, architecture and recipe rule."""
 
     kind = "toy"
+    rules = kinds.KindRules(title="TOY")
     feature_spec = FeatureSpec("toy_hidden", 0, "toy feature")
     export = KindExport(
         formats={"sglang": FormatSpec("ToyForSpeculation", "TOY", _toy_shapes,
@@ -216,8 +219,7 @@ class ToyHead(EagleHead):
 
 @pytest.fixture
 def toy_kind(monkeypatch):
-    monkeypatch.setitem(HEADS, "toy", ToyHead)
-    monkeypatch.setitem(kinds.KIND_RULES, "toy", kinds.KindRules(title="TOY", layout=LAYER_PER_STEP))
+    monkeypatch.setitem(KINDS, "toy", Kind(ToyHead.__module__, LAYER_PER_STEP))
     return ToyHead
 
 
@@ -266,3 +268,37 @@ def _write_golden() -> None:
 
 if __name__ == "__main__" and "--write" in sys.argv:
     _write_golden()
+
+
+# ----------------------------------------------------------------------------- a kind's own recipe keys
+
+
+def test_a_recipe_without_kind_keys_loads_without_torch():
+    """The recipe reader imports a kind's module (torch, transformers: seconds) only for a recipe that sets one
+    of the kind's own keys; the layout that sizes its unroll comes from the registry line."""
+    code = ("import sys; from eyas.config import load_recipe; r = load_recipe(None, ['draft.kind=mtp', "
+            "'draft.num_steps=2']); assert r.train.ttt_steps == 2; assert 'torch' not in sys.modules; "
+            "load_recipe(None, ['draft.kind=mtp', 'draft.mtp_feed=target']); assert 'torch' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=tempfile.gettempdir())
+
+
+def test_a_kind_key_belongs_to_its_kinds():
+    """A kind's key in a recipe of another kind is refused naming the kinds it belongs to; a near miss is named."""
+    with pytest.raises(EyasError, match=r"'draft.mask_token_id' is 3, but draft.kind is 'eagle3': it is an option "
+                                        r"of peagle \(P-EAGLE\) and dflash \(DFlash\); set draft.kind=peagle"):
+        from_dict({"draft": {"kind": "eagle3", "mask_token_id": 3}})
+    with pytest.raises(EyasError, match="unknown recipe key 'draft.mask_tokn_id'.*mask_token_id"):
+        from_dict({"draft": {"kind": "dflash", "mask_tokn_id": 3}})
+    with pytest.raises(EyasError, match="'draft.mtp_feed' is 'x'; choose one of: chain, target"):
+        from_dict({"draft": {"kind": "mtp", "mtp_feed": "x"}})
+    recipe = from_dict({"draft": {"kind": "dflash", "num_layers": 2, "mask_token_id": 7}})
+    assert recipe.draft.options == {"num_layers": 2, "mask_token_id": 7}
+    assert recipe.to_dict()["draft"]["num_layers"] == 2 and "options" not in recipe.to_dict()["draft"]
+    assert from_dict(recipe.to_dict()).draft == recipe.draft  # written back flat, read back the same
+
+
+def test_a_kind_sets_its_recipe_defaults_unless_the_recipe_does(monkeypatch):
+    monkeypatch.setitem(KINDS, "toy", Kind(ToyHead.__module__, LAYER_PER_STEP, {"train.loss": "ce:0.1,tv:0.9"}))
+    assert from_dict({"draft": {"kind": "toy"}}).train.loss == "ce:0.1,tv:0.9"
+    assert from_dict({"draft": {"kind": "toy"}, "train": {"loss": "tv"}}).train.loss == "tv"
+    assert from_dict({"draft": {"kind": "eagle3"}}).train.loss == Recipe().train.loss

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from train_helpers import tiny_d2t, tiny_target_config
 
-from eyas.config import DraftConfig, load_recipe
+from eyas.config import draft_config, load_recipe
 from eyas.draft.checkpoint import load_draft, save_draft
 from eyas.draft.config import RESUME_FIELDS, HeadConfig
 from eyas.draft.registry import build_head, head_from_config
@@ -33,7 +33,7 @@ SEQ = 7
 
 def make_head(seed: int = 0, perturb: bool = True, **variants):
     torch.manual_seed(seed)
-    head = build_head(DraftConfig(kind="eagle3", **variants), tiny_target_config(), aux_layers=[2, 3, 4], d2t=tiny_d2t())
+    head = build_head(draft_config(kind="eagle3", **variants), tiny_target_config(), aux_layers=[2, 3, 4], d2t=tiny_d2t())
     if perturb:  # norms start at 1: perturb them so a norm applied at the wrong place shows
         with torch.no_grad():
             for name, p in head.named_parameters():
@@ -188,7 +188,7 @@ def test_variants_belong_to_eagle3_only(tmp_path):
         load_recipe(None, ["draft.kind=eagle", "draft.eagle3_norm_before_residual=true"])
     with pytest.raises(EyasError, match="draft.eagle3_norm_before_fc.*export.to is 'sglang'.*export.to=vllm"):
         load_recipe(None, ["draft.eagle3_norm_before_fc=true"])  # refused before training, not at export
-    assert load_recipe(None, ["draft.eagle3_norm_before_fc=true", "export.to=vllm"]).draft.eagle3_norm_before_fc is True
+    assert load_recipe(None, ["draft.eagle3_norm_before_fc=true", "export.to=vllm"]).draft.options["eagle3_norm_before_fc"] is True
     data = make_head().config.to_dict()
     data.update(kind="mtp", norm_before_residual=True)
     with pytest.raises(EyasError, match="mtp draft with norm_before_residual"):

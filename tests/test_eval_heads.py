@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eyas.config import DraftConfig, default_layers
+from eyas.config import default_layers, draft_config
 from eyas.decode import SamplingParams, stop_token_ids
 from eyas.draft.blocks import TTTCache
 from eyas.draft.checkpoint import save_draft
@@ -43,7 +43,8 @@ def make_checkpoint(folder, target_dir, kind, mtp_feed="chain", reduced_vocab=Fa
         kept = torch.randperm(target.config.vocab_size)[:200].sort().values
         d2t = kept - torch.arange(len(kept))
     config = load_target_config(str(target_dir))
-    head = build_head(DraftConfig(kind=kind, num_steps=4, mtp_feed=mtp_feed), config,
+    feed = {"mtp_feed": mtp_feed} if kind == "mtp" else {}  # mtp's own key: another kind refuses it
+    head = build_head(draft_config(kind=kind, num_steps=4, **feed), config,
                       default_layers(config.num_hidden_layers) if head_class(kind).feature_spec.fused_layers else None, d2t,
                       target_identity(config, tokenizer))
     head.init_from_target(target)

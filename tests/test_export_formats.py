@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eyas.config import DraftConfig
+from eyas.config import DraftConfig, draft_config
 from eyas.draft.checkpoint import save_draft
 from eyas.draft.registry import build_head, head_from_config
 from eyas.errors import EyasError
@@ -34,7 +34,7 @@ def _d2t(vocab: int, draft_vocab: int) -> torch.Tensor:
 
 def make_head(target, kind: str, seed: int = 0, **draft):
     torch.manual_seed(seed)
-    cfg = DraftConfig(kind=kind, **draft)
+    cfg = draft_config(kind=kind, **draft)
     d2t = _d2t(target.config.vocab_size, DRAFT_VOCAB) if kind == "eagle3" else None
     head = build_head(cfg, target.config, aux_layers=[2, 3, 4] if kind == "eagle3" else None, d2t=d2t)
     head.init_from_target(target)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from eyas.config import DraftConfig
+from eyas.config import DraftConfig, draft_config
 
 
 def tiny_target_config(family: str = "llama", **overrides):
@@ -47,7 +47,7 @@ def synthetic_batch(hidden: int = 64, vocab: int = 384, batch: int = 2, seq: int
 
 
 def draft_cfg(kind: str, **kw) -> DraftConfig:
-    return DraftConfig(kind=kind, **kw)
+    return draft_config(kind=kind, **kw)
 
 
 def make_workspace(root, target, rows: int = 48) -> dict:

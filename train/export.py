@@ -32,10 +32,9 @@ from safetensors.torch import load_file, save_file
 from eyas.config import load_recipe
 from eyas.draft.checkpoint import CONFIG_FILE, MODEL_FILE, read_draft_config
 from eyas.draft.config import FORMAT_VERSION as HEAD_FORMAT_VERSION
-from eyas.draft.config import HeadConfig
+from eyas.draft.config import HeadConfig, variant_fields
 from eyas.draft.formats import ExportContext, FormatSpec
-from eyas.draft.kinds import kind_rules, variant_fields
-from eyas.draft.registry import HEADS, head_class, head_from_config
+from eyas.draft.registry import KINDS, head_class, head_from_config, kind_rules
 from eyas.errors import EyasError
 from eyas.targets import load_target_config
 from eyas.train.checkpoint import best_checkpoint
@@ -139,8 +138,8 @@ def exported_kind(config: dict) -> tuple[str, str]:
     """(head kind, format) of an exported config.json, from the architecture it names."""
     architecture = (config.get("architectures") or [""])[0]
     written = (config.get("eyas") or {}).get("format")  # two engines may name one architecture (DFlash)
-    for kind, cls in HEADS.items():
-        for fmt, spec in cls.export.formats.items():
+    for kind in KINDS:
+        for fmt, spec in head_class(kind).export.formats.items():
             if (architecture == spec.architecture or architecture in spec.aliases) and written in (None, fmt):
                 return kind, fmt
     raise EyasError(f"the config.json names architecture '{architecture}', which no eyas export format writes; "

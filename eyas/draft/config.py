@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from eyas.draft.kinds import KIND_RULES, kind_rules, variant_fields
+from eyas.draft.registry import KINDS, kind_rules
 from eyas.errors import EyasError
 
 FORMAT = "eyas-draft"
@@ -117,7 +117,7 @@ class HeadConfig:
         own = {v.field for v in kind_rules(config.kind).variants}
         foreign = [name for name in config.variants if name not in own]
         if foreign:
-            owners = [kind for kind, rules in KIND_RULES.items() if any(v.field == foreign[0] for v in rules.variants)]
+            owners = [kind for kind in KINDS if any(v.field == foreign[0] for v in kind_rules(kind).variants)]
             raise EyasError(f"'{where}' is a {config.kind} draft with {', '.join(foreign)} set, which only "
                             f"{' or '.join(f'an {k}' for k in owners)} head has; the config was edited by hand or is damaged")
         return config
@@ -131,6 +131,11 @@ class HeadConfig:
         mine = self.to_dict()
         return [f"{key}: checkpoint {saved.get(key)!r} vs this run {mine.get(key)!r}"
                 for key in RESUME_FIELDS if saved.get(key) != mine.get(key)]
+
+
+def variant_fields() -> tuple[str, ...]:
+    """Every variant field any kind has, in registry order (HeadConfig fields; imports every kind's module)."""
+    return tuple(v.field for kind in KINDS for v in kind_rules(kind).variants)
 
 
 def rope_parameters(target_config: Any) -> dict:

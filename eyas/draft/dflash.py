@@ -47,6 +47,7 @@ anything else is refused, naming those keys. Served with `--speculative-algorith
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,6 +60,7 @@ from eyas.draft.config import HeadConfig
 from eyas.draft.features import FUSED_LAYERS
 from eyas.draft.formats import ExportContext, FormatSpec, KindExport, attention_shapes, mlp_shapes, rope_fields
 from eyas.draft.head import DraftHead, with_mask_token
+from eyas.draft.kinds import KindRules, option
 from eyas.errors import EyasError
 
 VLLM_ARCHITECTURE = "DFlashDraftModel"  # SGLang names its DFlash draft class the same
@@ -264,8 +266,23 @@ EXPORT = KindExport(
 # ----------------------------------------------------------------------------- the head
 
 
+@dataclass(frozen=True)
+class DFlashOptions:
+    """dflash's own recipe keys."""
+
+    num_layers: int = option("dflash: decoder layers of the draft stack.", 1, positive=True)
+    mask_token_id: int = option("dflash: the token of the mask slots (the draft trains a vector in place of its "
+                                "embedding, shipped as mask_embedding.pt); -1: the target's last vocabulary id.", -1)
+    train_mask_embedding: bool = option(
+        "dflash: train the mask slots' vector (started from the target's embedding row of draft.mask_token_id, "
+        "shipped as mask_embedding.pt); false keeps the target's row, which an SGLang export needs.", True,
+        elsewhere="a {title} draft has no mask vector to freeze (a dflash draft has); remove the key")
+
+
 class DFlashHead(DraftHead):
     kind = "dflash"
+    # one forward drafts the block; the unroll's step k is the block's mask slot k+1, num_steps slots
+    rules = KindRules(title="DFlash", trains_lm_head=True, options=DFlashOptions)
     feature_spec = FUSED_LAYERS
     supports_draft_vocab = True
     export = EXPORT
@@ -273,12 +290,13 @@ class DFlashHead(DraftHead):
     @classmethod
     def head_config(cls, draft_cfg, target_config, aux_layers, draft_vocab_size, target_identity) -> HeadConfig:
         cfg = super().head_config(draft_cfg, target_config, aux_layers, draft_vocab_size, target_identity)
-        return dataclasses.replace(with_mask_token(cfg, draft_cfg),
-                                   train_mask_embedding=bool(getattr(draft_cfg, "train_mask_embedding", True)))
+        options = cls.recipe_options(draft_cfg)
+        return dataclasses.replace(with_mask_token(cfg, options.mask_token_id),
+                                   train_mask_embedding=options.train_mask_embedding)
 
     @classmethod
     def layers_for(cls, draft_cfg: Any) -> int:
-        return int(draft_cfg.num_layers)
+        return cls.recipe_options(draft_cfg).num_layers
 
     def _build(self, cfg: HeadConfig) -> None:
         self.fc = nn.Linear(3 * cfg.hidden_size, cfg.hidden_size, bias=False)

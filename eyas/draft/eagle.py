@@ -35,6 +35,7 @@ from eyas.draft.blocks import DecoderLayer
 from eyas.draft.config import HeadConfig
 from eyas.draft.formats import ExportContext, FormatSpec, KindExport, attention_shapes, llama_config, mlp_shapes
 from eyas.draft.head import DraftHead
+from eyas.draft.kinds import KindRules
 from eyas.errors import EyasError
 
 # ----------------------------------------------------------------------------- export
@@ -109,6 +110,7 @@ EXPORT = KindExport(
 
 class EagleHead(DraftHead):
     kind = "eagle"
+    rules = KindRules(title="EAGLE-1")
     export = EXPORT
 
     @classmethod

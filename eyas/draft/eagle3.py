@@ -52,6 +52,8 @@ facts read there, no code copied):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -61,6 +63,7 @@ from eyas.draft.config import HeadConfig
 from eyas.draft.features import FUSED_LAYERS
 from eyas.draft.formats import ExportContext, FormatSpec, KindExport, attention_shapes, llama_biases, llama_fields, mlp_shapes
 from eyas.draft.head import DraftHead
+from eyas.draft.kinds import KindRules, Variant, option
 from eyas.errors import EyasError
 
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -197,8 +200,28 @@ EXPORT = KindExport(
 # ----------------------------------------------------------------------------- the head
 
 
+@dataclass(frozen=True)
+class Eagle3Options:
+    """eagle3's own recipe keys: the normalisation variants vLLM serves (module docstring)."""
+
+    eagle3_norm_before_fc: bool = option(
+        "eagle3: an RMSNorm over the three fused target layers before fc (vLLM's norm_before_fc; vLLM serves it, "
+        "SGLang does not: export with --to vllm).", False)
+    eagle3_norm_before_residual: bool = option(
+        "eagle3: the layer's residual is hidden_norm(feature), not the feature (vLLM's norm_before_residual; vLLM "
+        "serves it, SGLang does not: export with --to vllm).", False)
+
+
+# vLLM's EAGLE-3 model builds both variants under speculators config flags of these names; SGLang's
+# LlamaForCausalLMEagle3 builds neither
+RULES = KindRules(title="EAGLE-3", trains_lm_head=True, attention_bias_from_target=False, options=Eagle3Options,
+                  variants=(Variant("norm_before_fc", "eagle3_norm_before_fc", ("vllm",)),
+                            Variant("norm_before_residual", "eagle3_norm_before_residual", ("vllm",))))
+
+
 class Eagle3Head(DraftHead):
     kind = "eagle3"
+    rules = RULES
     feature_spec = FUSED_LAYERS
     supports_draft_vocab = True
     export = EXPORT

@@ -29,8 +29,9 @@ from eyas.draft.blocks import DecoderLayer, Eagle3Layer, MTPLayer, rotary_embedd
 from eyas.draft.config import HeadConfig, target_shapes
 from eyas.draft.features import LAST_HIDDEN, FeatureSpec
 from eyas.draft.formats import KindExport
-from eyas.draft.kinds import kind_rules
+from eyas.draft.kinds import KindRules
 from eyas.draft.layouts import SHARED_LAYER, Layout
+from eyas.draft.registry import KINDS
 from eyas.errors import EyasError
 
 
@@ -42,8 +43,10 @@ class DraftHead(nn.Module):
     feature_spec: ClassVar[FeatureSpec] = LAST_HIDDEN
     # its batch / manifest key ("aux_hidden" or "last_hidden"), always `feature_spec.name`
     feature: ClassVar[str] = LAST_HIDDEN.name
-    # how it drafts, from its recipe rules (`KindRules.layout`): the stages ask it, never the kind
+    # how it drafts, from its registry line (`eyas.draft.registry`): the stages ask it, never the kind
     layout: ClassVar[Layout] = SHARED_LAYER
+    # its recipe rules and options (`eyas.draft.kinds`)
+    rules: ClassVar[KindRules] = KindRules()
     # the token a step k > 0 reads in training: its own drafted token ("draft") or the data's ("data")
     default_token_feed: ClassVar[str] = "draft"
     # may predict over the reduced draft vocabulary (d2t/t2d); else always the target's full one
@@ -54,8 +57,8 @@ class DraftHead(nn.Module):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls.feature = cls.feature_spec.name  # one source: the spec the kind declares
-        if "kind" in cls.__dict__:
-            cls.layout = kind_rules(cls.kind).layout  # one source: the kind's recipe rules
+        if cls.__dict__.get("kind") in KINDS:
+            cls.layout = KINDS[cls.kind].layout  # one source: the registry line
 
     def __init__(self, cfg: HeadConfig, d2t: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -83,12 +86,15 @@ class DraftHead(nn.Module):
         if not cls.supports_draft_vocab or not draft_vocab_size or draft_vocab_size >= vocab:
             draft_vocab_size = vocab
         shapes["intermediate_size"] = int(draft_cfg.intermediate_size or shapes["intermediate_size"])
-        if not kind_rules(cls.kind).attention_bias_from_target:
+        if not cls.rules.attention_bias_from_target:
             shapes.update(qkv_bias=False, o_bias=False)
         # the kind's layer variants, from their recipe switches (off when the section lacks them)
-        variants = {v.field: bool(getattr(draft_cfg, v.recipe_key, False)) for v in kind_rules(cls.kind).variants}
+        options = draft_cfg.options
+        variants = {v.field: bool(options.get(v.recipe_key, False)) for v in cls.rules.variants}
+        # mtp_feed: read by mtp alone (its option, `MTPHead.head_config`); every other head records the recipe
+        # default it recorded before kind options, so its config.json stays the same
         return HeadConfig(kind=cls.kind, num_layers=cls.layers_for(draft_cfg), num_steps=int(draft_cfg.num_steps),
-                          mtp_feed=draft_cfg.mtp_feed, aux_layers=list(aux_layers or []),
+                          mtp_feed="chain", aux_layers=list(aux_layers or []),
                           draft_vocab_size=int(draft_vocab_size), target_identity=target_identity,
                           train_lm_head=cls.trains_lm_head(draft_cfg), **variants, **shapes)
 
@@ -97,9 +103,16 @@ class DraftHead(nn.Module):
         return 1
 
     @classmethod
+    def recipe_options(cls, draft_cfg: Any) -> Any:
+        """The kind's own recipe keys (its `rules.options` dataclass): those the recipe set, defaults for the rest."""
+        if cls.rules.options is None:
+            return None
+        return cls.rules.options(**draft_cfg.options)
+
+    @classmethod
     def trains_lm_head(cls, draft_cfg: Any) -> bool:
         """Whether the lm_head trains: the kind's rule, and then the recipe's `draft.train_lm_head`."""
-        return kind_rules(cls.kind).trains_lm_head and bool(getattr(draft_cfg, "train_lm_head", True))
+        return cls.rules.trains_lm_head and bool(getattr(draft_cfg, "train_lm_head", True))
 
     def _build(self, cfg: HeadConfig) -> None:
         raise NotImplementedError
@@ -223,9 +236,9 @@ class DraftHead(nn.Module):
         return self
 
 
-def with_mask_token(cfg: HeadConfig, draft_cfg: Any) -> HeadConfig:
-    """`cfg` with the recipe's `draft.mask_token_id` (-1: the target's last id), for kinds that draft in parallel."""
-    mask = int(getattr(draft_cfg, "mask_token_id", -1))
+def with_mask_token(cfg: HeadConfig, mask: int) -> HeadConfig:
+    """`cfg` with the recipe's `draft.mask_token_id` `mask` (-1: the target's last id), for kinds that draft in
+    parallel."""
     if mask >= cfg.vocab_size:
         raise EyasError(f"recipe key 'draft.mask_token_id' is {mask}, outside the target's vocabulary "
                         f"(size {cfg.vocab_size}); choose an id below it, or -1 for the last one")

@@ -1,19 +1,20 @@
-"""What the recipe and the head config need to know about each head kind, without importing torch.
+"""The types a kind declares its recipe rules and options with, and the checks of a kind's own recipe keys.
 
-`eyas.config` checks a recipe when it loads (`eyas --help`, a bad key, `eyas plan`, a SLURM
-submission on a login node), and `eyas.draft.config` reads a saved config.json; neither may pay
-for importing torch and transformers, so a kind's rules about recipes live here as data, one
-entry per kind beside its module `eyas/draft/<kind>.py`. Everything else a kind is (layers,
-feature spec, export mapping) lives in that module; `tests/test_draft_plugins.py` checks that
-every registered kind has an entry here.
+A kind's head class (`eyas/draft/<kind>.py`) carries `rules = KindRules(...)`: how messages name it,
+its layer variants, whether it trains its lm_head; and, in `KindRules.options`, a dataclass of the
+recipe keys that are its alone (`draft.mtp_feed`, `draft.mask_token_id`, ...), each field made with
+`option` (its doc, default and checks). A recipe keeps those keys flat in its `draft` section; the
+recipe reader (`eyas.config`) collects the ones a recipe sets into `DraftConfig.options` and checks
+them here against the kind's dataclass. This module imports no torch; the checks import a kind's
+module (and so torch) only for a recipe that sets one of its keys.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from eyas.draft.layouts import BLOCK, LAYER_PER_STEP, PARALLEL_SLOTS, SHARED_LAYER, Layout
 from eyas.errors import EyasError
 
 # Display names of the serving engines, by export format.
@@ -25,7 +26,7 @@ class Variant:
     """A layer variant a kind can be trained with, and the export formats whose engine builds it."""
 
     field: str  # the HeadConfig field (and the engine config flag of the same name)
-    recipe_key: str  # the recipe's `draft.<recipe_key>` switch
+    recipe_key: str  # the recipe's `draft.<recipe_key>` switch (an option of the kind)
     formats: tuple[str, ...]  # formats whose draft model builds it; any other would serve another network
 
 
@@ -34,60 +35,61 @@ class KindRules:
     """A kind's rules about recipes and saved configs (the defaults are a plain one-layer head)."""
 
     title: str = ""  # how messages name the kind's architecture ("EAGLE-3")
-    # how it drafts (eyas.draft.layouts): what every stage builds for it
-    layout: Layout = SHARED_LAYER
     variants: tuple[Variant, ...] = ()
     # trains its lm_head unless `draft.train_lm_head: false` (configs from before that field: this value)
     trains_lm_head: bool = False
-    # its mask slots carry a vector of their own (`mask_embedding`), trained unless `draft.train_mask_embedding: false`
-    mask_vector: bool = False
     # its layers carry the target's attention biases (a layer shaped as the target's, which mtp and dflash can
     # start from); False: a fresh layer, bias-free as both engines build the EAGLE-3 layer whatever the target
     attention_bias_from_target: bool = True
+    # the dataclass of its own recipe keys (fields made with `option`); None: it has none
+    options: type | None = None
 
 
-KIND_RULES: dict[str, KindRules] = {
-    "eagle": KindRules(title="EAGLE-1"),
-    # vLLM's EAGLE-3 model builds both variants under speculators config flags of these names;
-    # SGLang's LlamaForCausalLMEagle3 builds neither (eyas/draft/eagle3.py)
-    "eagle3": KindRules(title="EAGLE-3", trains_lm_head=True, attention_bias_from_target=False, variants=(
-        Variant("norm_before_fc", "eagle3_norm_before_fc", ("vllm",)),
-        Variant("norm_before_residual", "eagle3_norm_before_residual", ("vllm",)))),
-    "mtp": KindRules(title="MTP", layout=LAYER_PER_STEP),
-    # EAGLE-3 drafting its steps from mask slots, all in one forward (eyas/draft/peagle.py)
-    "peagle": KindRules(title="P-EAGLE", layout=PARALLEL_SLOTS, trains_lm_head=True, attention_bias_from_target=False),
-    # one forward drafts the block; the unroll's step k is the block's mask slot k+1, num_steps slots
-    "dflash": KindRules(title="DFlash", layout=BLOCK, trains_lm_head=True, mask_vector=True),
-}
+def option(doc: str, default: Any, choices: tuple = (), positive: bool = False, elsewhere: str = "") -> Any:
+    """A field of a kind's options dataclass: a `draft.<name>` recipe key of that kind alone.
+
+    `choices` / `positive`: the values it accepts. `elsewhere`: the refusal when a recipe of another kind sets it,
+    after "recipe key 'draft.<name>' is <value>, but " ({title}: the recipe's kind as messages name it);
+    by default the message names the kinds that have it."""
+    return dataclasses.field(default=default, metadata={"doc": doc, "choices": choices, "positive": positive,
+                                                        "elsewhere": elsewhere})
 
 
-def kind_rules(kind: str) -> KindRules:
-    """The rules of `kind` (a plain head's for a name no kind has: the recipe's choice check names it)."""
-    return KIND_RULES.get(kind, KindRules())
+def option_fields(rules: KindRules) -> dict[str, dataclasses.Field]:
+    """The kind's own recipe keys, by name."""
+    return {f.name: f for f in dataclasses.fields(rules.options)} if rules.options else {}
 
 
-def variant_fields() -> tuple[str, ...]:
-    """Every variant field any kind has, in declaration order (HeadConfig fields)."""
-    return tuple(v.field for rules in KIND_RULES.values() for v in rules.variants)
+def shown(value: Any) -> str:
+    """A recipe value as the recipe writes it (true, not True)."""
+    return str(value).lower() if isinstance(value, bool) else repr(value)
 
 
-def check_draft_section(draft: Any, export_to: str) -> None:
-    """The recipe's kind-only `draft` keys, each for its own kind: a layer variant for its kind and for the
-    export formats that serve it, a frozen mask vector for a kind that has one."""
-    for owner, rules in KIND_RULES.items():
-        for variant in rules.variants:
-            key = variant.recipe_key
-            if not getattr(draft, key, False):
-                continue
-            if owner != draft.kind:
-                raise EyasError(f"recipe key 'draft.{key}' is true, but draft.kind is '{draft.kind}': it is an "
-                                f"{rules.title} layer variant; set draft.kind={owner} or draft.{key}=false")
-            if export_to not in variant.formats:  # refused before training, not after it at the export stage
-                serves = variant.formats[0]
-                raise EyasError(f"recipe key 'draft.{key}' is true, but export.to is '{export_to}', whose "
-                                f"{rules.title} model has no such variant; set export.to={serves} ({ENGINES[serves]} "
-                                f"serves it) or draft.{key}=false")
-    own = kind_rules(draft.kind)
-    if not draft.train_mask_embedding and not own.mask_vector:
-        raise EyasError(f"recipe key 'draft.train_mask_embedding' is false, but a {own.title or draft.kind} "
-                        "draft has no mask vector to freeze (a dflash draft has); remove the key")
+def check_option(kind: str, rules: KindRules, key: str, value: Any) -> None:
+    """Refuse a kind option's value outside its choices or range (its type is checked by the recipe reader)."""
+    meta = option_fields(rules)[key].metadata
+    if meta["choices"] and value not in meta["choices"]:
+        raise EyasError(f"recipe key 'draft.{key}' is {value!r}; choose one of: {', '.join(map(str, meta['choices']))}")
+    if meta["positive"] and not value > 0:
+        raise EyasError(f"recipe key 'draft.{key}' must be > 0, got {value!r}")
+
+
+def foreign_option(kind: str, title: str, key: str, value: Any, owners: dict[str, KindRules]) -> str:
+    """The refusal of `draft.<key>`, an option of the kinds `owners`, in a recipe of `kind`."""
+    first, rules = next(iter(owners.items()))
+    elsewhere = option_fields(rules)[key].metadata["elsewhere"]
+    if elsewhere:
+        return f"recipe key 'draft.{key}' is {shown(value)}, but " + elsewhere.format(title=title or kind)
+    names = " and ".join(f"{k} ({r.title})" if r.title else k for k, r in owners.items())
+    return (f"recipe key 'draft.{key}' is {shown(value)}, but draft.kind is '{kind}': it is an option of {names}; "
+            f"set draft.kind={first} or remove the key")
+
+
+def check_variants(kind: str, rules: KindRules, options: dict[str, Any], export_to: str) -> None:
+    """A layer-variant switch is for the export formats that serve it: refused before training, not at export."""
+    for variant in rules.variants:
+        if options.get(variant.recipe_key) and export_to not in variant.formats:
+            serves = variant.formats[0]
+            raise EyasError(f"recipe key 'draft.{variant.recipe_key}' is true, but export.to is '{export_to}', whose "
+                            f"{rules.title} model has no such variant; set export.to={serves} ({ENGINES[serves]} "
+                            f"serves it) or draft.{variant.recipe_key}=false")

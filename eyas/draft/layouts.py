@@ -1,4 +1,4 @@
-"""The ways a draft head drafts its tokens: each a `Layout`, which a kind names (`KindRules.layout`).
+"""The ways a draft head drafts its tokens: each a `Layout`, which a kind's registry line names (`eyas.draft.registry`).
 
 A stage never asks a head which kind it is or how it is built. It asks the head's layout, and keeps
 one implementation per layout in one table: the training-time scoring (`eyas.train.ttt.SCORING`), the

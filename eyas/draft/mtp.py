@@ -34,6 +34,8 @@ MTP layers through the target's full lm_head.
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -42,6 +44,7 @@ from eyas.draft.blocks import MTPLayer
 from eyas.draft.config import HeadConfig
 from eyas.draft.formats import ExportContext, FormatSpec, KindExport, attention_shapes, llama_config, mlp_shapes, read_llama
 from eyas.draft.head import DraftHead
+from eyas.draft.kinds import KindRules, option
 from eyas.errors import EyasError
 
 MTP_FEEDS = ("target", "chain")
@@ -144,8 +147,17 @@ EXPORT = KindExport(
 # ----------------------------------------------------------------------------- the head
 
 
+@dataclass(frozen=True)
+class MTPOptions:
+    """mtp's own recipe key."""
+
+    mtp_feed: str = option("mtp: chain (step k reads step k-1's hidden) or target (every step reads the target's).",
+                           "chain", choices=("chain", "target"))
+
+
 class MTPHead(DraftHead):
     kind = "mtp"
+    rules = KindRules(title="MTP", options=MTPOptions)
     default_token_feed = "data"
     supports_draft_vocab = True
     export = EXPORT
@@ -153,6 +165,11 @@ class MTPHead(DraftHead):
     @classmethod
     def layers_for(cls, draft_cfg: Any) -> int:
         return int(draft_cfg.num_steps)
+
+    @classmethod
+    def head_config(cls, draft_cfg, target_config, aux_layers, draft_vocab_size, target_identity) -> HeadConfig:
+        cfg = super().head_config(draft_cfg, target_config, aux_layers, draft_vocab_size, target_identity)
+        return dataclasses.replace(cfg, mtp_feed=cls.recipe_options(draft_cfg).mtp_feed)
 
     def _build(self, cfg: HeadConfig) -> None:
         self.layers = nn.ModuleList([MTPLayer(cfg) for _ in range(cfg.num_layers)])

@@ -23,6 +23,8 @@ eagle3 with `parallel_drafting`, `mask_token_id` read as the proposer's `pard_to
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -30,6 +32,7 @@ from eyas.draft import eagle3
 from eyas.draft.config import HeadConfig
 from eyas.draft.formats import ExportContext, FormatSpec, KindExport
 from eyas.draft.head import with_mask_token
+from eyas.draft.kinds import KindRules, option
 
 VLLM_ARCHITECTURE = "PEagleSpeculator"
 _EAGLE3_VLLM = eagle3.EXPORT.formats["vllm"]  # the layout peagle extends
@@ -69,14 +72,24 @@ EXPORT = KindExport(
 )
 
 
+@dataclass(frozen=True)
+class PEagleOptions:
+    """peagle's own recipe key."""
+
+    mask_token_id: int = option("peagle: the token the mask slots read (its embedding, frozen); -1: the target's "
+                                "last vocabulary id.", -1)
+
+
 class PEagleHead(eagle3.Eagle3Head):
     kind = "peagle"
+    # EAGLE-3 drafting its steps from mask slots, all in one forward
+    rules = KindRules(title="P-EAGLE", trains_lm_head=True, attention_bias_from_target=False, options=PEagleOptions)
     export = EXPORT
 
     @classmethod
     def head_config(cls, draft_cfg, target_config, aux_layers, draft_vocab_size, target_identity) -> HeadConfig:
         cfg = super().head_config(draft_cfg, target_config, aux_layers, draft_vocab_size, target_identity)
-        return with_mask_token(cfg, draft_cfg)
+        return with_mask_token(cfg, cls.recipe_options(draft_cfg).mask_token_id)
 
     def _build(self, cfg: HeadConfig) -> None:
         super()._build(cfg)

@@ -1,36 +1,81 @@
-"""The head kinds eyas trains: one line per kind (how to add one: docs/heads.md, "Adding a head kind")."""
+"""The head kinds eyas trains: one line per kind (how to add one: docs/heads.md, "Adding a head kind").
+
+A line names the module that holds the kind's head (a `DraftHead` subclass whose `kind` is the
+line's key, with its recipe rules and options) and what a recipe needs before that module is
+imported: its drafting layout (`eyas.draft.layouts`), which sizes the unroll, and the defaults it
+gives other recipe keys. This module imports neither torch nor a kind's module: `eyas.config`
+checks every recipe with it, and pays for importing a kind (torch, transformers: seconds) only when
+the recipe sets one of the kind's own keys (`eyas.config`, the `draft` section).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from dataclasses import dataclass, field
+from functools import cache
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from eyas.config import default_layers
-from eyas.draft.config import HeadConfig
-from eyas.draft.dflash import DFlashHead
-from eyas.draft.eagle import EagleHead
-from eyas.draft.eagle3 import Eagle3Head
-from eyas.draft.head import DraftHead
-from eyas.draft.mtp import MTPHead
-from eyas.draft.peagle import PEagleHead
+from eyas.draft.layouts import BLOCK, LAYER_PER_STEP, PARALLEL_SLOTS, SHARED_LAYER, Layout
 from eyas.errors import EyasError
 
-HEADS: dict[str, type[DraftHead]] = {
-    "eagle": EagleHead,
-    "eagle3": Eagle3Head,
-    "mtp": MTPHead,
-    "peagle": PEagleHead,
-    "dflash": DFlashHead,
+if TYPE_CHECKING:
+    import torch
+
+    from eyas.draft.config import HeadConfig
+    from eyas.draft.head import DraftHead
+    from eyas.draft.kinds import KindRules
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One registry line."""
+
+    module: str  # holds the kind's DraftHead subclass
+    layout: Layout
+    # recipe keys ("section.key") this kind sets when the recipe does not (the kind's published training)
+    recipe_defaults: dict[str, Any] = field(default_factory=dict)
+
+
+KINDS: dict[str, Kind] = {
+    "eagle": Kind("eyas.draft.eagle", SHARED_LAYER),
+    "eagle3": Kind("eyas.draft.eagle3", SHARED_LAYER),
+    "mtp": Kind("eyas.draft.mtp", LAYER_PER_STEP),
+    "peagle": Kind("eyas.draft.peagle", PARALLEL_SLOTS),
+    "dflash": Kind("eyas.draft.dflash", BLOCK),
 }
-KINDS = tuple(HEADS)
+
+
+def kind_entry(kind: str) -> Kind:
+    """The registry line of `kind`, or the error naming the kinds there are."""
+    try:
+        return KINDS[kind]
+    except KeyError:
+        raise EyasError(f"draft.kind '{kind}' is not one of {', '.join(KINDS)}") from None
 
 
 def head_class(kind: str) -> type[DraftHead]:
-    try:
-        return HEADS[kind]
-    except KeyError:
-        raise EyasError(f"draft.kind '{kind}' is not one of {', '.join(KINDS)}") from None
+    """The head class of `kind` (imports its module: torch and transformers)."""
+    return _head_class(kind, kind_entry(kind).module)
+
+
+@cache
+def _head_class(kind: str, module: str) -> type[DraftHead]:
+    from eyas.draft.head import DraftHead  # torch: only once a head is asked for
+
+    found = [value for value in vars(importlib.import_module(module)).values()
+             if isinstance(value, type) and issubclass(value, DraftHead) and value.__dict__.get("kind") == kind]
+    if len(found) != 1:
+        raise EyasError(f"module {module} should hold one DraftHead subclass with kind = '{kind}', found {len(found)}")
+    return found[0]
+
+
+def kind_rules(kind: str) -> KindRules:
+    """The recipe rules of `kind` (its head class's `rules`; a plain head's for a name no kind has)."""
+    if kind not in KINDS:
+        from eyas.draft.kinds import KindRules  # torch-free: the rules type only
+
+        return KindRules()
+    return head_class(kind).rules
 
 
 def uses_draft_vocab(draft_cfg: Any) -> bool:
@@ -45,6 +90,8 @@ def build_head(draft_cfg: Any, target_config: Any, aux_layers: list[int] | None 
     `d2t` (draft id -> offset to target id) selects the reduced draft vocabulary of kinds that
     support one; it is ignored otherwise and when `draft.use_draft_vocab` is false.
     """
+    from eyas.config import default_layers  # eyas.config imports this module for the kinds' names
+
     cls = head_class(draft_cfg.kind)
     if cls.feature_spec.fused_layers and not aux_layers:
         aux_layers = default_layers(int(target_config.num_hidden_layers))
@@ -56,6 +103,8 @@ def build_head(draft_cfg: Any, target_config: Any, aux_layers: list[int] | None 
 def head_from_config(cfg: HeadConfig | dict, d2t: torch.Tensor | None = None, where: str = "config.json"
                      ) -> DraftHead:
     """Rebuild a head from a saved config (a HeadConfig, or the dict of a config.json)."""
+    from eyas.draft.config import HeadConfig  # the saved-config reader, beside the heads it rebuilds
+
     if isinstance(cfg, dict):
         cfg = HeadConfig.from_dict(cfg, where)
     return head_class(cfg.kind)(cfg, d2t)
