@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from eyas.config import Recipe, check_against_target, default_layers, save_resolved
+from eyas.config import Recipe, check_against_target, save_resolved
 from eyas.data.batches import budget_batches
 from eyas.data.dump_vllm import VllmCapture, vllm_version
 from eyas.data.prepare import load_prepared, prepared_info, tokenizer_identity
@@ -83,11 +83,9 @@ def feature_spec(recipe: Any, target_config: Any) -> dict:
     depth = int(target_config.num_hidden_layers)
     dump = recipe.dump
     spec: dict = {"aux_layers": [], "last_hidden": False, "topk": 0}
-    if head_class(recipe.draft.kind).feature_spec.fused_layers:
-        spec["aux_layers"] = list(dump.layers) if dump.layers else default_layers(depth)
-        spec["last_hidden"] = dump.teacher == "last_hidden"
-    else:  # the other kinds read the last hidden state as their feature
-        spec["last_hidden"] = True
+    spec["aux_layers"] = head_class(recipe.draft.kind).feature_spec.target_layers(dump.layers, depth)
+    # a kind that reads no target layer reads the last hidden state as its feature; else it is the teacher's input
+    spec["last_hidden"] = not spec["aux_layers"] or dump.teacher == "last_hidden"
     if dump.teacher == "topk":
         spec["topk"] = int(dump.topk)
     low = dump.low_layer_encoding or dump.encoding

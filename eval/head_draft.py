@@ -55,7 +55,8 @@ class HeadDraft:
         cfg = head.config
         self.vocab_size = int(cfg.vocab_size)
         # the target hidden states the decoder hands over: the fused layers, or the last one (post-norm)
-        self.feature_layers = list(cfg.aux_layers) if head.feature_spec.fused_layers else [-1]
+        # the fused layers it reads, or the last hidden state (-1) for a head that reads no target layer
+        self.feature_layers = head.feature_spec.target_layers(cfg.aux_layers, cfg.target_hidden_layers) or [-1]
         self.max_depth = head.max_depth()
         device = next(head.parameters()).device
         self.device = device

@@ -48,7 +48,7 @@ from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwar
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from eyas import stages
-from eyas.config import Recipe, check_against_target, default_layers, parse_loss_mix, save_resolved
+from eyas.config import Recipe, check_against_target, parse_loss_mix, save_resolved
 from eyas.data.batches import budget_batches
 from eyas.data.prepare import load_prepared
 from eyas.data.vocab import VOCAB_FILE, build_vocab, count_tokens, load_vocab
@@ -193,8 +193,7 @@ def open_source(recipe: Recipe, target_config: Any, identity: str, device: Any, 
         return Source(reader, shards["heldout"], shards["layers"], d2t, None, desc)
     if target_model is None:
         target_model, _ = load_target(recipe.target, device)
-    fused = bool(head_class(kind).feature_spec.fused_layers)
-    layers = (list(recipe.dump.layers) or default_layers(int(target_config.num_hidden_layers))) if fused else []
+    layers = head_class(kind).feature_spec.target_layers(recipe.dump.layers, int(target_config.num_hidden_layers))
     train_reader = PreparedReader(load_prepared(run_dir, "train"))
     heldout = load_prepared(run_dir, "heldout")
     d2t = _online_vocab(recipe, train_reader, int(target_config.vocab_size)) if want_vocab else None

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from eyas.config import default_layers
 from eyas.errors import EyasError
 
 
@@ -22,6 +23,13 @@ class FeatureSpec:
     name: str  # manifest `features` key and batch key
     fused_layers: int  # target layers concatenated along the hidden axis (0: the last hidden state alone)
     description: str  # how messages name it
+
+    def target_layers(self, recipe_layers: list[int], depth: int) -> list[int]:
+        """The target's hidden-state indices it concatenates: the recipe's `dump.layers`, else the default three of a
+        `depth`-layer target; none for the last hidden state, which is not a layer choice."""
+        if not self.fused_layers:
+            return []
+        return list(recipe_layers) if recipe_layers else default_layers(depth)
 
     def width(self, hidden: int) -> int:
         """Its width per token for a target of hidden size `hidden`."""
