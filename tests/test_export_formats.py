@@ -328,3 +328,6 @@ def test_default_layers_are_three_an_engine_captures_at_every_depth():
         layers = default_layers(depth)
         assert len(set(layers)) == 3 and all(1 <= i <= depth - 1 for i in layers), (depth, layers)
     assert default_layers(32) == [2, 16, 29]  # the usual low / middle / high where the depth allows it
+    for depth in (2, 3):  # too shallow for three an engine captures: three distinct hidden_states indices still
+        layers = default_layers(depth)
+        assert len(set(layers)) == 3 and all(0 <= i <= depth for i in layers), (depth, layers)
