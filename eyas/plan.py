@@ -126,6 +126,11 @@ def fit_advice(stage: str, recipe: Recipe, config: Any, hw: Hardware, sharding: 
 # ----------------------------------------------------------------------------- the command
 
 
+# How the plan names each sharding of the optimizer state and gradients (`--accelerate-config`).
+SHARDING_NAMES = {"ddp": "DDP (each GPU holds all the optimizer state; give --accelerate-config for ZeRO or FSDP)",
+                  "zero2": "DeepSpeed ZeRO-2", "zero3": "DeepSpeed ZeRO-3", "fsdp": "FSDP"}
+
+
 def accelerate_sharding(path: str | None) -> str:
     """ddp, zero2, zero3 or fsdp from an accelerate config file (None: ddp)."""
     if not path:
@@ -165,6 +170,7 @@ def report(recipe: Recipe, config: Any, hw: Hardware, sharding: str, tokens: int
              f"target: {getattr(config, 'model_type', '?')}, {s.params / 1e9:.2f}B parameters (hidden {s.hidden}, "
              f"{s.layers} layers, vocabulary {s.vocab}); {recipe.draft.kind} draft: {d.trainable / 1e6:.1f}M trainable + "
              f"{d.frozen / 1e6:.1f}M frozen parameters, draft vocabulary {d.draft_vocab}",
+             f"training planned with {SHARDING_NAMES[sharding]}",
              "memory in GiB per GPU, and per host rank (the larger phase); parts under 0.05 GiB not listed"]
     for need in needs:
         fits = "" if hw.memory is None else ("  fits" if need.device_total <= hw.memory else "  DOES NOT FIT")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -95,6 +96,24 @@ def test_a_target_class_that_cannot_be_built_is_counted_as_its_layout(config_8b,
     config = plan.read_config(load_recipe(str(RECIPE_8B)), str(config_8b))
     monkeypatch.setattr(AutoModelForCausalLM, "from_config", needs_code)
     assert shared.shapes_of(config).params == 8_030_261_248
+
+
+def test_the_readme_plans_the_training_it_runs(config_8b, capsys, tmp_path, monkeypatch):
+    """The README's GPU quickstart plans with the accelerate config and GPU count its train command launches
+    with, and the plan says it planned that sharding (ZeRO-2), not DDP."""
+    readme = (REPO / "README.md").read_text()
+    recipe = re.search(r"^R=(\S+)", readme, flags=re.MULTILINE).group(1)
+    plan_line = re.search(r"^eyas plan \$R (.+)$", readme, flags=re.MULTILINE).group(1).split()
+    train_line = re.search(r"^accelerate launch (.+) -m eyas.train \$R$", readme, flags=re.MULTILINE).group(1).split()
+    option = dict(zip(plan_line[::2], plan_line[1::2]))
+    launch = dict(zip(train_line[::2], train_line[1::2]))
+    assert option["--accelerate-config"] == launch["--config_file"] and option["--gpus"] == launch["--num_processes"]
+    monkeypatch.chdir(REPO)
+    code, out, err = _run(capsys, recipe, *plan_line, "--target-config", config_8b)
+    assert code == 0, err
+    assert "training planned with DeepSpeed ZeRO-2" in out
+    code, out, _ = _run(capsys, recipe, "--gpu", option["--gpu"], "--gpus", option["--gpus"], "--target-config", config_8b)
+    assert "training planned with DDP" in out  # without the config: what the plan assumes, said
 
 
 def test_a_config_json_file_is_enough(config_8b, capsys):
