@@ -142,6 +142,21 @@ def test_nan_loss_stops_with_step_batch_and_checkpoint(workspace, monkeypatch):
     assert "step_00000002" in message  # the last good checkpoint (saved every 2 steps)
 
 
+def test_micro_batches_add_no_host_sync(workspace, monkeypatch):
+    """The finiteness check is one all-reduce (and one read on the host) per optimizer step, not one per micro-batch:
+    a run of train.grad_accum=3 makes as many all-reduces as the same run of 1."""
+    from accelerate import Accelerator
+
+    real, calls = Accelerator.reduce, []
+    monkeypatch.setattr(Accelerator, "reduce", lambda self, *args, **kwargs: calls.append(1) or real(self, *args, **kwargs))
+    counted = {}
+    for accum in (1, 3):
+        calls.clear()
+        train(_recipe(workspace, f"accum-{accum}", f"train.grad_accum={accum}", "train.max_steps=2"))
+        counted[accum] = len(calls)
+    assert counted[3] == counted[1], counted
+
+
 def test_refuses_shards_that_do_not_fit(workspace):
     manifest = json.loads((workspace["root"] / "base" / "shards" / "manifest.json").read_text())
     layers = check_shards_fit(manifest, "eagle3", 64, [], Path("x"))

@@ -435,14 +435,17 @@ class Trainer:
         counts = acc.reduce(local, reduction="sum").clamp(min=1.0)
         scale = acc.num_processes * self.cfg.grad_accum  # undo DDP's mean over ranks and accelerate's / grad_accum
         totals = Totals.zeros(steps, self.device)
-        for index, (batch, position) in enumerate(micro):
+        losses = []  # each micro-batch's loss, kept on the device: read only if one is not finite
+        for index, (batch, _) in enumerate(micro):
             batch = self._prepare_batch(batch)
             with acc.accumulate(self.model):
                 out = self.model(batch, self.teacher, steps, self.mix, token_feed=self.token_feed, feature_loss=True)
                 loss = sum(w * s / c for w, s, c in zip(self.weights, out["loss_sums"], counts)) * scale
                 if out["feature_loss_sum"] is not None:
                     loss = loss + self.cfg.feature_loss_weight * out["feature_loss_sum"] / counts[0] * scale
-                self._check_finite(loss, index, position)
+                losses.append(loss.detach())
+                if index == len(micro) - 1:  # before the backward that may step (DeepSpeed steps inside it)
+                    self._check_finite(torch.stack(losses), [position for _, position in micro])
                 acc.backward(loss)
             totals.add(out, tokens=batch["attention_mask"].sum())
         grad_norm = None
@@ -454,16 +457,19 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return self._step_metrics(totals.reduced(acc), counts.cpu(), grad_norm, lr, steps)
 
-    def _check_finite(self, loss: torch.Tensor, index: int, position: dict) -> None:
-        bad = torch.tensor([0.0 if torch.isfinite(loss.detach()).all() else 1.0], device=self.device)
-        if float(self.accelerator.reduce(bad, reduction="sum")) == 0:
+    def _check_finite(self, losses: torch.Tensor, positions: list[dict]) -> None:
+        """Stop before the optimizer step if any rank's loss of this step is not finite: one all-reduce and one
+        read on the host per step, before the last micro-batch's backward (not one per micro-batch)."""
+        bad = (~torch.isfinite(losses)).float()
+        if float(self.accelerator.reduce(bad.sum()[None], reduction="sum")) == 0:
             return
         last = ckpt.latest_checkpoint(self.ckpt_root)
-        value = float(loss.detach()) if torch.isfinite(loss.detach()).all() else loss.detach().item()
+        index = int(bad.argmax()) if bad.any() else 0  # this rank's first bad micro-batch (another rank's: its first)
+        position = positions[index]
         raise EyasError(
-            f"non-finite loss at step {self.state.step + 1} (rank {self.accelerator.process_index}: loss {value}, "
-            f"micro-batch {index + 1}/{self.cfg.grad_accum}, data epoch {position['epoch']} batch {position['position']}); "
-            f"stopped before the optimizer step. Last good checkpoint: {last or 'none yet'}. "
+            f"non-finite loss at step {self.state.step + 1} (rank {self.accelerator.process_index}: loss "
+            f"{float(losses[index])}, micro-batch {index + 1}/{self.cfg.grad_accum}, data epoch {position['epoch']} "
+            f"batch {position['position']}); stopped before the optimizer step. Last good checkpoint: {last or 'none yet'}. "
             "Lower train.lr or check the shards (eyas.data.shard_verify.verify), then resume from it"
         )
 
