@@ -478,14 +478,15 @@ def _kind_options(kind: str, keys: dict, shared: list[str]) -> dict:
     out = {}
     for key, value in keys.items():
         if key not in fields:
-            owners = {k: kind_rules(k) for k in KINDS if key in option_fields(kind_rules(k))}
+            every = {k: kind_rules(k) for k in KINDS}  # the error path only: imports every kind
+            owners = {k: r for k, r in every.items() if key in option_fields(r)}
             if owners:
                 raise EyasError(foreign_option(kind, rules.title, key, value, owners))
-            others = [name for k in KINDS for name in option_fields(kind_rules(k))]
+            others = [name for r in every.values() for name in option_fields(r)]
             valid = list(dict.fromkeys(shared + list(fields) + others))  # a near miss of another kind's key is named
             raise EyasError(f"unknown recipe key {f'draft.{key}'!r}: {_suggest(str(key), valid)}")
         out[key] = _coerce(f"draft.{key}", value, hints[key])
-        check_option(kind, rules, key, out[key])
+        check_option(rules, key, out[key])
     return out
 
 

@@ -40,7 +40,7 @@ from eyas.eval.memory import eval_need
 from eyas.memory import GIB, MIB, DraftSize, Hardware, Need, Shapes, advice, shapes_of
 from eyas.stage_cli import guarded
 from eyas.targets import check_layer_kinds, load_target_config
-from eyas.train.memory import draft_size, optimizer_steps, train_fits, train_need
+from eyas.train.memory import draft_size, optimizer_steps, sharding_name, train_fits, train_need
 
 # Total memory of common GPUs, in MiB as `nvidia-smi` reports it (the same figure, in bytes, as
 # torch.cuda.get_device_properties(i).total_memory): a card sold as "80GB" holds about 79.6 GiB.
@@ -139,10 +139,8 @@ def accelerate_sharding(path: str | None) -> str:
         config = yaml.safe_load(Path(path).read_text()) or {}
     except (OSError, yaml.YAMLError) as exc:
         raise EyasError(f"--accelerate-config '{path}' cannot be read ({exc})") from None
-    kind = str(config.get("distributed_type", "NO")).upper()
-    if kind == "DEEPSPEED":
-        return "zero3" if int((config.get("deepspeed_config") or {}).get("zero_stage", 2)) == 3 else "zero2"
-    return "fsdp" if kind == "FSDP" else "ddp"
+    return sharding_name(str(config.get("distributed_type", "NO")),
+                         int((config.get("deepspeed_config") or {}).get("zero_stage", 2)))
 
 
 def hardware(gpu: str | None, gpus: int, memory_gib: float | None) -> Hardware:

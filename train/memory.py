@@ -340,12 +340,19 @@ def train_fits(recipe: Recipe, config: Any, s: Shapes, d: DraftSize, hw: Hardwar
     return fits
 
 
+def sharding_name(distributed_type: str, zero_stage: int = 2) -> str:
+    """ddp, zero2, zero3 or fsdp from accelerate's distributed type (DEEPSPEED, FSDP, ...) and ZeRO stage."""
+    kind = distributed_type.upper()
+    if kind == "DEEPSPEED":
+        return "zero3" if zero_stage == 3 else "zero2"
+    return "fsdp" if kind == "FSDP" else "ddp"
+
+
 def sharding_of(accelerator: Any) -> str:
     """ddp, zero2, zero3 or fsdp: how an accelerate run shards the optimizer state."""
     kind = str(getattr(accelerator, "distributed_type", "")).rsplit(".", 1)[-1]
-    if kind == "DEEPSPEED":
-        return "zero3" if int(getattr(accelerator.state.deepspeed_plugin, "zero_stage", 2)) == 3 else "zero2"
-    return "fsdp" if kind == "FSDP" else "ddp"
+    stage = int(getattr(accelerator.state.deepspeed_plugin, "zero_stage", 2)) if kind == "DEEPSPEED" else 2
+    return sharding_name(kind, stage)
 
 
 def refuse_if_too_big(stage: str, recipe: Recipe, config: Any, memory: int, gpus: int, sharding: str = "ddp",

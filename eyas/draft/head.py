@@ -2,8 +2,8 @@
 
 A kind is one subclass in its own file (`eagle.py`, `eagle3.py`, `mtp.py`, ...) listed in
 `eyas.draft.registry`. It builds its own layers in `_build`, says how it reads the target's
-features (`project`) and runs one draft step (`step`); its drafting layout (`layout`, from its recipe
-rules in `eyas.draft.kinds`) tells every stage how it drafts, and the class attributes and the
+features (`project`) and runs one draft step (`step`); its drafting layout (`layout`, from its registry
+line in `eyas.draft.registry`) tells every stage how it drafts, and the class attributes and the
 overridable methods below tell the dump, the trainer, the eval adapter and the exporter everything
 else they need (its feature spec, `eyas.draft.features`; its export mapping, `eyas.draft.formats`),
 so none of them branches on the kind's name or a flag (docs/heads.md, "Adding a head kind").

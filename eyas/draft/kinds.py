@@ -65,7 +65,7 @@ def shown(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else repr(value)
 
 
-def check_option(kind: str, rules: KindRules, key: str, value: Any) -> None:
+def check_option(rules: KindRules, key: str, value: Any) -> None:
     """Refuse a kind option's value outside its choices or range (its type is checked by the recipe reader)."""
     meta = option_fields(rules)[key].metadata
     if meta["choices"] and value not in meta["choices"]:
