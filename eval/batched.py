@@ -259,7 +259,7 @@ class TreeNodes:
 
 
 def _each_node(logits: torch.Tensor, requests: Requests) -> list[torch.Tensor | None]:
-    """Row b's logits [B, V] for every node it asked to expand (a mask slot or block slot: one per depth)."""
+    """Row b's logits [B, V] for every node it asked to expand (a mask slot: one per depth)."""
     return [logits[b, None].expand(len(r[0]), -1) if r else None for b, r in enumerate(requests)]
 
 
@@ -417,11 +417,12 @@ class BatchedParallelSlotsDraft(BatchedSharedLayerDraft):
 
 
 class BatchedBlockDraft:
-    """dflash (`BlockDraft`) over a batch. Each row keeps its own context keys and values per layer (the
+    """dflash, dspark (`BlockDraft`) over a batch. Each row keeps its own context keys and values per layer (the
     target's features of its committed tokens, at their positions). A round's blocks, one per row, run in
     ONE forward as the blocks of one sequence whose context is every row's, each block seeing only its own
-    row's columns (`DFlashHead.block_logits` takes a visibility row per block); slot d of row b's block gives
-    the logits of row b's depth-d nodes, as `BlockDraft` gives them one row at a time."""
+    row's columns (`DFlashHead.block_rows` takes a visibility row per block); predicting row d of row b's block
+    and a node's own token give the logits of that depth-(d+1) node's children, as `BlockDraft` gives them
+    one row at a time."""
 
     def __init__(self, draft: BlockDraft, depth: int):
         _take_head(self, draft)
@@ -441,9 +442,13 @@ class BatchedBlockDraft:
     def expand(self, requests: Requests) -> list[torch.Tensor | None]:
         depth = self.nodes.add(requests)
         if depth >= self.max_depth:
-            raise EyasError(f"the dflash draft has {self.max_depth} mask slots: shapes deeper than "
-                            f"{self.max_depth} cannot be drafted with it")
-        return _each_node(self.draft._to_target(self.slots[:, depth]), requests)
+            raise EyasError(f"the {self.draft.kind} draft drafts {self.max_depth} tokens per block: shapes deeper "
+                            f"than {self.max_depth} cannot be drafted with it")
+        counts = [len(r[1]) if r else 0 for r in requests]
+        rows = torch.cat([self.rows[b, depth, None].expand(c, -1) for b, c in enumerate(counts)])
+        tokens = torch.tensor([t for r in requests if r for t in r[1]], device=self.device)
+        logits = self.draft._to_target(self.head.slot_logits(rows, tokens))
+        return [part if c else None for part, c in zip(logits.split(counts), counts)]
 
     def commit(self, kept: list[list[int]], accepted: list[list[int]], roots: list[int],
                features: list[torch.Tensor]) -> torch.Tensor:
@@ -456,24 +461,25 @@ class BatchedBlockDraft:
         return self._blocks(roots)
 
     def _blocks(self, roots: list[int]) -> torch.Tensor:
-        """Every row's block after its root in one forward; keeps the slots' logits, returns slot 1's per row."""
+        """Every row's block after its root in one forward; keeps the predicting rows, returns the logits of each
+        row's root's children."""
         context = [tuple(torch.cat([row[layer][i] for row in self.contexts], dim=2) for i in (0, 1))
                    for layer in range(len(self.contexts[0]))]
         lengths = torch.tensor([row[0][0].shape[2] for row in self.contexts])
         ends = lengths.cumsum(0)
         columns = torch.arange(int(ends[-1]))
         visible = (columns[None, :] >= (ends - lengths)[:, None]) & (columns[None, :] < ends[:, None])
-        logits = self.head.block_logits(torch.tensor([roots], device=self.device),
-                                        torch.tensor(self.positions, device=self.device), context,
-                                        visible.to(self.device), self.max_depth)
-        self.slots, self.nodes = logits[0], TreeNodes(len(roots))  # [B, slots, V]
-        return self.draft._to_target(self.slots[:, 0])
+        anchors = torch.tensor(roots, device=self.device)
+        self.rows = self.head.block_rows(anchors[None], torch.tensor(self.positions, device=self.device), context,
+                                         visible.to(self.device), self.max_depth)[0]  # [B, K, H]
+        self.nodes = TreeNodes(len(roots))
+        return self.draft._to_target(self.head.slot_logits(self.rows[:, 0], anchors))
 
     def select(self, rows: torch.Tensor) -> None:
         keep = rows.tolist()
         self.contexts = [self.contexts[b] for b in keep]
         self.positions = [self.positions[b] for b in keep]
-        self.slots = self.slots[rows.to(self.slots.device)]
+        self.rows = self.rows[rows.to(self.rows.device)]
 
 
 class BatchedPerStepDraft:

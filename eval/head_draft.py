@@ -1,4 +1,4 @@
-"""The adapter from a trained draft head (eagle, eagle3, peagle, mtp, dflash) to the decoder's draft protocol.
+"""The adapter from a trained draft head (eagle, eagle3, peagle, mtp, dflash, dspark) to the decoder's draft protocol.
 
 It replays at inference exactly what `eyas.train.ttt` trains (see that module's docstring):
 
@@ -21,7 +21,7 @@ multi-layer draft extend does); those rows attend to layer d's committed entries
 to each other, and are dropped on commit, when each layer advances over the slots whose
 tokens became known.
 
-peagle (`ParallelSlotsDraft`) and dflash (`BlockDraft`) are described at their classes; `ADAPTERS`
+peagle (`ParallelSlotsDraft`) and dflash and dspark (`BlockDraft`) are described at their classes; `ADAPTERS`
 names the adapter of each drafting layout (`eyas.draft.layouts`).
 
 Logits are mapped to the target vocabulary through d2t (-inf for tokens outside the draft
@@ -257,13 +257,14 @@ class PerStepDraft(HeadDraft):
 
 
 class BlockDraft(HeadDraft):
-    """dflash: one forward per round drafts the whole block (`DFlashHead.block_logits`).
+    """dflash, dspark: one forward per round drafts the whole block (`DFlashHead.block_rows`).
 
     The context is the target's features f_0..f_{M-1} of the committed tokens (each layer's keys and
-    values kept and extended on commit); the block is the root x_M at position M and the mask slots
-    at M+1..M+K, and slot d gives the logits of every node at depth d, whatever its parents' tokens
-    (the slots do not read the drafted tokens). Chains are its natural shape; a tree gives siblings
-    the same distribution."""
+    values kept and extended on commit); the block is the root x_M at position M and its mask rows after it,
+    and predicting row d (0-based) gives the logits of every node at depth d+1, as the head turns the row and
+    the node's parent's token into logits (`slot_logits`): DFlash ignores the token, so siblings share a
+    distribution and chains are its natural shape; DSpark's Markov head conditions each child on its own
+    parent, which a tree serves as it is."""
 
     def start(self, prompt_ids: torch.Tensor, root: int, features: torch.Tensor) -> torch.Tensor:
         self._begin(prompt_ids, root, features)
@@ -275,11 +276,11 @@ class BlockDraft(HeadDraft):
         for parent in parents:
             depth = self.nodes[parent]["depth"] + 1 if parent >= 0 else 1
             if depth >= self.max_depth:
-                raise EyasError(f"the dflash draft has {self.max_depth} mask slots: shapes deeper than "
+                raise EyasError(f"the {self.kind} draft drafts {self.max_depth} tokens per block: shapes deeper than "
                                 f"{self.max_depth} cannot be drafted with it")
             self.nodes.append({"depth": depth})
             depths.append(depth)
-        return self._to_target(self.slots[depths])
+        return self._to_target(self._slot_logits(depths, tokens))
 
     def commit(self, kept: list[int], tokens: list[int], root: int, features: torch.Tensor) -> torch.Tensor:
         new_features = self._project(features)
@@ -292,15 +293,18 @@ class BlockDraft(HeadDraft):
                         for (k, v), (nk, nv) in zip(self.context, added)]
         return self._block(root)
 
+    def _slot_logits(self, depths: list[int], tokens: list[int]) -> torch.Tensor:
+        """Logits [n, V_draft] of the children of n nodes: row depth_i read with the node's own token."""
+        return self.head.slot_logits(self.rows[depths], torch.tensor(tokens, device=self.device))
+
     def _block(self, root: int) -> torch.Tensor:
-        """Draft the block after root x_M: keeps every slot's logits, returns slot 1's (the root's children)."""
+        """Draft the block after root x_M: keeps its predicting rows, returns the root's children's logits."""
         position = len(self.tokens) - 1
         visible = torch.ones(1, position, dtype=torch.bool, device=self.device)
         anchor = torch.tensor([[root]], device=self.device)
-        logits = self.head.block_logits(anchor, torch.tensor([position], device=self.device), self.context, visible,
-                                        self.max_depth)
-        self.slots = logits[0, 0]  # [K, V]
-        return self._to_target(self.slots[:1])[0]
+        self.rows = self.head.block_rows(anchor, torch.tensor([position], device=self.device), self.context, visible,
+                                         self.max_depth)[0, 0]  # [K, H]
+        return self._to_target(self._slot_logits([0], [root]))[0]
 
 
 # The eval adapter of each drafting layout (eyas.draft.layouts).

@@ -230,7 +230,8 @@ class TrainConfig:
         "target's last decoder layer where shapes allow (attention, MLP, norms; eagle3's q/k/v in their feature half).",
         "random")
     loss: str = _doc("Distribution loss: forward_kl, ce, tv, jsd, lk (-log of the acceptance rate), "
-                     "or a mix like `forward_kl:0.9,ce:0.1`.", "forward_kl")
+                     "or a mix like `forward_kl:0.9,ce:0.1`; `confidence` (BCE of a confidence head towards the "
+                     "step's acceptance rate) for a kind that has one (dspark).", "forward_kl")
     feature_loss_weight: float = _doc("eagle: weight of the smooth-L1 feature regression.", 1.0)
     teacher_chunk: int = _doc("Positions per chunk when recomputing the teacher through lm_head.", 2048)
     checkpoint_unroll: bool = _doc(
@@ -354,7 +355,9 @@ CHOICES = {
     "eval.target_dtype": ("auto", "fp32", "bf16"),
     "export.dtype": ("bfloat16", "float16", "float32"),
 }
-LOSS_NAMES = ("forward_kl", "ce", "tv", "jsd", "lk")
+LOSS_NAMES = ("forward_kl", "ce", "tv", "jsd", "lk", "confidence")
+# loss terms that score a part only some heads have: a kind lists those it trains in `KindRules.losses`
+HEAD_LOSSES = ("confidence",)
 
 _POSITIVE = ["train.lr", "train.token_budget", "train.grad_accum", "train.ttt_steps", "train.teacher_chunk",
              "train.log_every", "draft.num_steps", "data.max_length", "data.num_proc",
@@ -520,7 +523,7 @@ def validate(recipe: Recipe) -> Recipe:
             lb = "[" if kind in ("closed", "closed-open") else "("
             rb = "]" if kind in ("closed", "open-closed") else ")"
             raise EyasError(f"recipe key '{key}' must be in {lb}{lo}, {hi}{rb}, got {v!r}")
-    parse_loss_mix(recipe.train.loss)
+    _check_head_losses(recipe.draft.kind, parse_loss_mix(recipe.train.loss))
     if len(recipe.train.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in recipe.train.betas):
         raise EyasError(f"recipe key 'train.betas' must be two numbers in [0, 1), got {recipe.train.betas!r}")
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in recipe.dump.layers):
@@ -542,6 +545,19 @@ def validate(recipe: Recipe) -> Recipe:
         raise EyasError(f"recipe key 'run.name' must be a non-empty name without '/' (not . or ..), got {recipe.run.name!r}")
     check_mtp_unroll(recipe)  # here, not at train: `eyas prepare` refuses a bad mtp recipe before any work
     return recipe
+
+
+def _check_head_losses(kind: str, mix: dict[str, float]) -> None:
+    """Refuse a loss term for a part the kind's head lacks (imports the kind only for a recipe that names one)."""
+    asked = [name for name in HEAD_LOSSES if mix.get(name)]
+    if not asked or kind not in KINDS:
+        return
+    missing = [name for name in asked if name not in kind_rules(kind).losses]
+    if missing:
+        owners = [k for k in KINDS if missing[0] in kind_rules(k).losses]
+        has = f"a {' or '.join(owners)} draft has one" if owners else "no kind has one"
+        raise EyasError(f"recipe key 'train.loss' has a '{missing[0]}' term, but a {kind} draft has no part it "
+                        f"scores ({has}); remove the term")
 
 
 def _check_self_prompts(data: DataConfig) -> None:

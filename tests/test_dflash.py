@@ -25,7 +25,7 @@ from eyas.eval.head_draft import BlockDraft, load_head_draft
 from eyas.eval.tree import parse_shape
 from eyas.train.export import export_draft, load_exported
 from eyas.train.losses import Teacher
-from eyas.train.ttt import unroll
+from eyas.train.ttt import block_steps, unroll
 
 torch.set_num_threads(1)
 GREEDY = SamplingParams(0.0)
@@ -50,6 +50,11 @@ def _head(target_dir, layers: int = 2, seed: int = 0, sharpen: bool = True, redu
     return head, target, tokenizer
 
 
+def _training_logits(head, sequence, features) -> list[torch.Tensor]:
+    """Per unroll step, the training forward's logits [1, T, V] over one sequence."""
+    return [logits for logits, _ in block_steps(head, sequence[None], features[None], SLOTS)]
+
+
 def _features(target, sequence, layers):
     with torch.inference_mode():
         hidden = target(sequence[None], output_hidden_states=True).hidden_states
@@ -64,7 +69,7 @@ def test_block_draft_equals_the_training_forward(tiny_llama_dir):
     sequence = torch.randint(3, target.config.vocab_size, (24,), generator=torch.Generator().manual_seed(1))
     features = _features(target, sequence, draft.feature_layers)
     with torch.inference_mode():
-        train = head.training_logits(sequence[None], features[None], SLOTS)
+        train = _training_logits(head, sequence, features)
         L = 12
         got = [draft.start(sequence[:L], int(sequence[L]), features[:L])]
         got += [draft.expand([d - 2], [7])[0] for d in range(1, SLOTS)]  # any token: slots do not read them
@@ -76,7 +81,7 @@ def test_block_draft_equals_the_training_forward(tiny_llama_dir):
     with torch.inference_mode():
         for d in range(1, SLOTS):  # a chain as deep as the slots, after the commit
             draft.expand([d - 2], [7])
-    with pytest.raises(EyasError, match="3 mask slots"):
+    with pytest.raises(EyasError, match="drafts 3 tokens per block"):
         draft.expand([SLOTS - 2], [7])
 
 
@@ -196,8 +201,8 @@ def _assert_same_logits(head, back, target) -> None:
     sequence = torch.randint(3, target.config.vocab_size, (16,), generator=torch.Generator().manual_seed(4))
     features = _features(target, sequence, head.config.aux_layers)
     with torch.inference_mode():
-        for a, b in zip(head.training_logits(sequence[None], features[None], SLOTS),
-                        back.training_logits(sequence[None], features[None], SLOTS)):
+        for a, b in zip(_training_logits(head, sequence, features),
+                        _training_logits(back, sequence, features)):
             torch.testing.assert_close(a, b)
 
 
@@ -207,7 +212,7 @@ def test_recipe_rules():
     with pytest.raises(EyasError, match="'draft.train_mask_embedding' is false, but a P-EAGLE draft has no mask vector"):
         from_dict({"draft": {"kind": "peagle", "train_mask_embedding": False}})
     assert not from_dict({"draft": {"kind": "dflash", "train_mask_embedding": False}}).draft.options["train_mask_embedding"]
-    with pytest.raises(EyasError, match="mask slots 3-4 would get no gradient"):
+    with pytest.raises(EyasError, match="block slots 3-4 would get no gradient"):
         from_dict({"draft": {"kind": "dflash", "num_steps": 4}, "train": {"ttt_steps": 2}})
     with pytest.raises(EyasError, match="outside the target's vocabulary"):
         build_head(draft_config(kind="dflash", mask_token_id=10**6),

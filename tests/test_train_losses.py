@@ -11,8 +11,10 @@ from train_helpers import draft_cfg, synthetic_batch, tiny_d2t, tiny_target_conf
 
 from eyas.config import parse_loss_mix
 from eyas.draft.registry import build_head
+from eyas.errors import EyasError
 from eyas.train.losses import (
     Teacher,
+    confidence_loss,
     forward_kl,
     hard_ce,
     jensen_shannon,
@@ -183,3 +185,23 @@ def test_pinned_step_losses(loss):
     result = unroll(head, batch, teacher, 3, parse_loss_mix(loss))
     got = [float(s.detach() / c) for s, c in zip(result.loss_sums, result.counts)]
     assert got == pytest.approx(PINNED[loss], rel=1e-4)
+
+
+def test_confidence_loss_learns_the_acceptance_rate_without_pulling_the_draft():
+    """`confidence`: BCE of the confidence logits towards 1 - tv of the step's draft against the teacher; the draft's
+    logits get no gradient from it, and a mix naming it needs a head that gives a confidence."""
+    torch.manual_seed(0)
+    logits, t_logits = torch.randn(5, 11, requires_grad=True), torch.randn(5, 11)
+    confidence = torch.randn(5, requires_grad=True)
+    logp, logq = t_logits.log_softmax(-1), logits.log_softmax(-1)
+    accept = 1 - total_variation(logp, logq.detach())
+    want = -(accept * torch.nn.functional.logsigmoid(confidence) + (1 - accept) * torch.nn.functional.logsigmoid(-confidence))
+    got = confidence_loss(confidence, logp, logq)
+    torch.testing.assert_close(got, want)
+    p = logp.exp()
+    mixed = step_losses(logits, p, (p * logp).sum(-1), torch.arange(5), {"tv": 0.5, "confidence": 2.0}, confidence)
+    torch.testing.assert_close(mixed, 0.5 * total_variation(logp, logq) + 2.0 * want)
+    got.sum().backward()
+    assert logits.grad is None and confidence.grad.abs().sum() > 0
+    with pytest.raises(EyasError, match="has a 'confidence' term, but this draft gives no confidence"):
+        step_losses(logits, p, (p * logp).sum(-1), torch.arange(5), {"confidence": 1.0})

@@ -162,7 +162,7 @@ def head_config_from_export(config: dict) -> dict:
     if layer.get("rope_scaling"):
         rope.update(layer["rope_scaling"])
     bias = bool(layer.get("attention_bias", False))
-    return {
+    config = {
         "format": "eyas-draft", "format_version": HEAD_FORMAT_VERSION, "kind": kind,
         "num_layers": num_layers, "num_steps": num_steps,
         "mtp_feed": eyas.get("mtp_feed", "chain"),
@@ -177,6 +177,8 @@ def head_config_from_export(config: dict) -> dict:
         "target_model_type": eyas.get("target_model_type", ""), "target_hidden_layers": 0,
         "tie_word_embeddings": False, "target_identity": eyas.get("target_identity", ""), **fields,
     }
+    config["format_version"] = HeadConfig.from_dict(config, "the exported config.json").written_version
+    return config
 
 
 # ----------------------------------------------------------------------------- export / import
@@ -245,7 +247,9 @@ def export_draft(checkpoint: str | Path, fmt: str, out: str | Path, dtype: str =
               "serve": serve_command(fmt, cfg.kind, target.get("path") or "TARGET", out, steps),
               "serve_all": serve_commands(cfg.kind, target.get("path") or "TARGET", out, fmt, steps,
                                           engines=[e for e in FORMATS if not unserved_variants(cfg, e)])}
-    if fmt == "vllm":
+    if format_spec(cfg.kind, fmt).engine_unchecked:
+        record["not_served_in_tests"] = format_spec(cfg.kind, fmt).engine_unchecked
+    elif fmt == "vllm":
         record["verified_with"] = {"vllm": VLLM_VERIFIED}
     (partial / MARKER).write_text(json.dumps(record, indent=2) + "\n")
     verify_export(partial, cfg, fmt)

@@ -15,6 +15,9 @@ Per-position losses over the draft vocabulary, p = teacher, q = draft:
   lk          -log sum min(p, q): minus the log of the one-step acceptance rate of speculative
               sampling (sum min(p, q) = 1 - tv), the direct acceptance objective published as an
               "LK loss"; forward KL pulls q towards p everywhere, this only where q is below p
+  confidence  BCE between a head's confidence c (the probability it gives that its draft is accepted;
+              DSpark's confidence head) and 1 - tv of its logits against the teacher, detached: the
+              acceptance rate of that step; only for a head with a confidence (`KindRules.losses`)
 A mix (`train.loss: forward_kl:0.9,ce:0.1`) is the weighted sum. The trainer computes
 forward KL as soft cross-entropy (logsumexp(z) - p.z, one fused autograd function) plus the
 teacher's sum p log p, precomputed once per batch with its probabilities and argmax
@@ -29,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from eyas.config import parse_loss_mix
+from eyas.errors import EyasError
 
 
 def _xlogy_ratio(p: torch.Tensor, logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
@@ -122,22 +126,37 @@ class TeacherDist:
     top: torch.Tensor
 
 
+def confidence_loss(confidence: torch.Tensor, teacher_logp: torch.Tensor, draft_logq: torch.Tensor) -> torch.Tensor:
+    """BCE of the confidence logits [...] towards the step's acceptance rate 1 - tv (detached: the confidence
+    learns to predict it, it does not pull the draft)."""
+    accept = (1.0 - total_variation(teacher_logp, draft_logq.detach())).clamp(0.0, 1.0)
+    return F.binary_cross_entropy_with_logits(confidence.float(), accept, reduction="none")
+
+
 def step_losses(logits: torch.Tensor, probs: torch.Tensor, plogp: torch.Tensor, labels: torch.Tensor,
-                mix: dict[str, float]) -> torch.Tensor:
+                mix: dict[str, float], confidence: torch.Tensor | None = None) -> torch.Tensor:
     """The loss mix per position for [..., V] draft logits against a teacher slice; [...] fp32.
 
-    forward_kl goes through the fused soft cross-entropy; the others use the definitions above.
+    forward_kl goes through the fused soft cross-entropy; the others use the definitions above. `confidence`:
+    the head's confidence logits [...], which a `confidence` term needs.
     """
     total = torch.zeros(logits.shape[:-1], dtype=torch.float32, device=logits.device)
-    generic = {name: w for name, w in mix.items() if w and name != "forward_kl"}
+    generic = {name: w for name, w in mix.items() if w and name not in ("forward_kl", "confidence")}
+    if mix.get("confidence") and confidence is None:
+        raise EyasError("recipe key 'train.loss' has a 'confidence' term, but this draft gives no confidence; "
+                        "remove the term (only a head with a confidence head trains one)")
     if mix.get("forward_kl"):
         total = total + mix["forward_kl"] * (soft_cross_entropy(logits, probs) + plogp)
-    if generic:
+    if confidence is not None and not mix.get("confidence"):
+        total = total + 0.0 * confidence.float()  # an untrained confidence head stays in the graph (DDP)
+    if generic or mix.get("confidence"):
         logq = F.log_softmax(logits.float(), dim=-1)
         logp = torch.log(probs)
         for name, weight in generic.items():
             term = hard_ce(logq, labels) if name == "ce" else LOSSES[name](logp, logq)
             total = total + weight * term
+        if mix.get("confidence"):
+            total = total + mix["confidence"] * confidence_loss(confidence, logp, logq)
     return total
 
 

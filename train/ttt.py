@@ -22,9 +22,9 @@ step's keys (slots s <= t), as DeepSeek-V3's MTP modules do.
 
 Each drafting layout (`eyas.draft.layouts`) has its scoring in `SCORING`: the shared layer (above), the
 parallel slots (the shared layer's unroll with every step k > 0 reading the head's mask slot), a layer per
-step (mtp, above). A head that drafts a whole block in one forward (the block layout: dflash) is not
-unrolled: its `training_logits` give every step at once (step k at slot t is mask slot k+1 of the block anchored
-at x_{t+1}, so it predicts x_{t+k+2} too), and `_block` scores them as the steps are scored.
+step (mtp, above). A head that drafts a whole block in one forward (the block layout: dflash, dspark) is not
+unrolled: its `training_rows` give every step at once (step k at slot t is the k-th predicting row of the block
+anchored at x_{t+1}, so it predicts x_{t+k+2} too), and `_block` scores them as the steps are scored.
 
 Gradients flow through the fed hidden state (step k's loss reaches the weights through
 steps 0..k-1); the fed token is an argmax and carries none.
@@ -144,7 +144,7 @@ def _unroll_steps(head: DraftHead, batch: dict, steps: int, targets: _Targets, t
     ids = batch["input_ids"]
     bsz, seq = ids.shape
     positions = torch.arange(seq, device=ids.device).unsqueeze(0).expand(bsz, -1)
-    tokens = torch.cat([ids[:, 1:], ids.new_zeros(bsz, 1)], dim=1)  # x_{t+1} at slot t
+    tokens = _shifted(ids, 1)  # x_{t+1} at slot t
     feature = first_feature = step0_feature(head, batch)
     out = UnrollResult()
     for k in range(steps):
@@ -158,7 +158,7 @@ def _unroll_steps(head: DraftHead, batch: dict, steps: int, targets: _Targets, t
         if token_feed == "draft":
             tokens = head.draft_to_target(drafted)
         else:
-            tokens = torch.cat([ids[:, k + 2:], ids.new_zeros(bsz, min(k + 2, seq))], dim=1)[:, :seq]
+            tokens = _shifted(ids, k + 2)
         tokens, feature = next_inputs(head, tokens, hidden, first_feature)
     return out
 
@@ -182,12 +182,32 @@ def _layer_per_step(head, batch, steps, targets, token_feed, checkpoint_steps) -
 
 
 def _block(head, batch, steps, targets, token_feed, checkpoint_steps) -> UnrollResult:
-    """A block-drafting head (DFlash): one forward gives every step's logits (step k = mask slot k+1 of
-    the block anchored after slot t), scored exactly as the unroll scores its steps."""
+    """A block-drafting head (DFlash, DSpark): one forward gives every step's row, scored exactly as the unroll
+    scores its steps (`block_steps`)."""
     out = UnrollResult()
-    for k, logits in enumerate(head.training_logits(batch["input_ids"], batch[head.feature], steps)):
-        out.add(_score_step(k, logits, logits.detach().argmax(-1), targets))
+    for k, (logits, confidence) in enumerate(block_steps(head, batch["input_ids"], batch[head.feature], steps)):
+        out.add(_score_step(k, logits, logits.detach().argmax(-1), targets, confidence))
     return out
+
+
+def block_steps(head: DraftHead, input_ids: torch.Tensor, features: torch.Tensor, steps: int
+                ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Per unroll step k of a block-drafting head: (logits [B, T, V], confidence logits [B, T] or None), slot t
+    predicting x_{t+k+2} from the block anchored at x_{t+1}. A row reads the data's token at its own position,
+    x_{t+k+1} (teacher forcing: at inference, what the step before drafted), where the kind reads one (DSpark's
+    Markov and confidence heads)."""
+    rows = head.training_rows(input_ids, features, steps)
+    out = []
+    for k in range(steps):
+        prev = _shifted(input_ids, k + 1)
+        out.append((head.slot_logits(rows[:, :, k], prev), head.slot_confidence(rows[:, :, k], prev)))
+    return out
+
+
+def _shifted(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """x_{t+n} at slot t, zeros past the end."""
+    bsz, seq = ids.shape
+    return torch.cat([ids[:, n:], ids.new_zeros(bsz, min(n, seq))], dim=1)[:, :seq]
 
 
 # The training-time scoring of each drafting layout (eyas.draft.layouts).
@@ -259,8 +279,10 @@ def _step_and_score(head: DraftHead, k: int, targets: _Targets, cache: TTTCache 
     return hidden, drafted, _score_step(k, logits, drafted, targets)
 
 
-def _score_step(k: int, logits, drafted, targets: _Targets) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Loss sum, count and hits of step k over slots 0..T-k-3 (views, no gather: masked slots weigh 0)."""
+def _score_step(k: int, logits, drafted, targets: _Targets, confidence: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Loss sum, count and hits of step k over slots 0..T-k-3 (views, no gather: masked slots weigh 0).
+    `confidence`: the head's confidence logits [B, T] for the step, which the mix's `confidence` term trains."""
     seq = logits.shape[1]
     length = seq - k - 2  # slots whose predicted token x_{t+k+2} exists
     if length <= 0:
@@ -269,7 +291,7 @@ def _score_step(k: int, logits, drafted, targets: _Targets) -> tuple[torch.Tenso
     weight = targets.loss_mask[:, k + 2:]
     span = slice(k + 1, seq - 1)  # teacher positions t+k+1 for slots t = 0..length-1
     losses = step_losses(logits[:, :length], targets.teacher.probs[:, span], targets.teacher.plogp[:, span],
-                         targets.labels[:, k + 2:], targets.mix)
+                         targets.labels[:, k + 2:], targets.mix, None if confidence is None else confidence[:, :length])
     hits = (drafted[:, :length] == targets.top[:, span]).float()
     return (losses * weight).sum(), weight.sum(), (hits * weight).sum()
 

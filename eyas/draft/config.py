@@ -20,8 +20,9 @@ FORMAT = "eyas-draft"
 # `norm_before_residual`): a config is written with the lowest version that describes it
 # (`HeadConfig.written_version`), so a head without them stays version 1 and an eyas from before
 # them still reads it, while a variant head (which such an eyas would build without its extra norm,
-# or with the wrong residual) is refused there with "upgrade eyas".
-FORMAT_VERSION = 2
+# or with the wrong residual) is refused there with "upgrade eyas". 3 added `kind_options` (the shape
+# settings of a kind that has its own, such as DSpark's Markov rank), written only when a head has some.
+FORMAT_VERSION = 3
 
 # Families whose q/k/v projections always carry a bias although their config has no
 # `attention_bias` field (transformers hard-codes it).
@@ -30,7 +31,7 @@ _QKV_BIAS_FAMILIES = ("qwen2", "qwen2_moe", "qwen2_vl")
 # Fields that must agree for a resume (or a warm start) to make sense.
 RESUME_FIELDS = ("kind", "num_layers", "mtp_feed", "aux_layers", "hidden_size", "intermediate_size",
                  "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "draft_vocab_size",
-                 "target_identity", "norm_before_fc", "norm_before_residual")
+                 "target_identity", "norm_before_fc", "norm_before_residual", "kind_options")
 
 
 @dataclass
@@ -71,6 +72,9 @@ class HeadConfig:
     mask_token_id: int = -1
     # dflash only: whether `mask_embedding` trains (False: it stays the target's row of mask_token_id)
     train_mask_embedding: bool = True
+    # the shapes of a kind's own modules, by name, for a kind that has any (dspark: {"markov_rank": 256}); a kind
+    # reads its own from here and every other reader carries them through unread
+    kind_options: dict = field(default_factory=dict)
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 
@@ -91,6 +95,8 @@ class HeadConfig:
     @property
     def written_version(self) -> int:
         """The lowest format version that describes this head (see FORMAT_VERSION)."""
+        if self.kind_options:
+            return 3
         return 2 if self.variants else 1
 
     def to_dict(self) -> dict:

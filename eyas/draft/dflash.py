@@ -12,7 +12,7 @@ trained unless `draft.train_lm_head: false`), and the mask slots carry one train
 `mask_embedding` (started from the embedding row of `mask_token_id`; any row whose token is
 mask_token_id takes it, the anchor included, as vLLM does).
 
-Training (`block_logits`, driven by `eyas.train.ttt` for the block layout, `eyas.draft.layouts.BLOCK`): every
+Training (`training_rows`, scored by `eyas.train.ttt` for the block layout, `eyas.draft.layouts.BLOCK`): every
 position t is an anchor, with token x_{t+1} at position t+1 and the context f_0..f_t, so block
 slot k+1 predicts x_{t+k+2}: the token and the teacher of unroll step k at slot t, scored and
 weighted (train.ttt_decay**k) exactly as the training-time test scores its steps. One pass, no
@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -291,8 +291,9 @@ class DFlashHead(DraftHead):
     def head_config(cls, draft_cfg, target_config, aux_layers, draft_vocab_size, target_identity) -> HeadConfig:
         cfg = super().head_config(draft_cfg, target_config, aux_layers, draft_vocab_size, target_identity)
         options = cls.recipe_options(draft_cfg)
+        # a kind on this backbone without the key (dspark) keeps the target's row, as its engine gives it
         return dataclasses.replace(with_mask_token(cfg, options.mask_token_id),
-                                   train_mask_embedding=options.train_mask_embedding)
+                                   train_mask_embedding=getattr(options, "train_mask_embedding", False))
 
     @classmethod
     def layers_for(cls, draft_cfg: Any) -> int:
@@ -334,12 +335,18 @@ class DFlashHead(DraftHead):
         cos, sin = self.rotary_emb(normed, positions[None].expand(normed.shape[0], -1))
         return [layer.self_attn.keys_values(normed, cos, sin) for layer in self.layers]
 
-    def block_logits(self, anchors: torch.Tensor, anchor_positions: torch.Tensor, context: list, visible: torch.Tensor,
-                     slots: int) -> torch.Tensor:
-        """Logits [B, A, slots, V] of the mask slots of A blocks: anchor tokens [B, A] at `anchor_positions` [A],
-        each block seeing the context rows its `visible` row [A, S] allows (and its own rows)."""
+    # the block's rows that predict: its mask rows (row j predicts the token at its own position); a kind on this
+    # backbone whose anchor row predicts too (dspark) starts at 0
+    first_predicting_row: ClassVar[int] = 1
+
+    def block_rows(self, anchors: torch.Tensor, anchor_positions: torch.Tensor, context: list, visible: torch.Tensor,
+                   predictions: int) -> torch.Tensor:
+        """The final-normed hidden rows [B, A, predictions, H] of A blocks that predict, each the next draft step:
+        anchor tokens [B, A] at `anchor_positions` [A], each block seeing the context rows its `visible` row
+        [A, S] allows (and its own rows). `slot_logits` turns a row into logits."""
         bsz, blocks = anchors.shape
-        rows = slots + 1
+        first = self.first_predicting_row
+        rows = first + predictions
         ids = torch.full((bsz, blocks, rows), self.config.mask_token_id, dtype=anchors.dtype, device=anchors.device)
         ids[:, :, 0] = anchors
         h = self.embed(ids).view(bsz, blocks * rows, -1)
@@ -347,19 +354,27 @@ class DFlashHead(DraftHead):
         cos, sin = self.rotary_emb(h, positions[None].expand(bsz, -1))
         for layer, layer_context in zip(self.layers, context):
             h = layer(h, cos, sin, layer_context, visible, rows)
-        h = h.view(bsz, blocks, rows, -1)[:, :, 1:]
-        return self.lm_head(self.norm(h))
+        return self.norm(h.view(bsz, blocks, rows, -1)[:, :, first:])
 
-    def training_logits(self, input_ids: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
-        """Per unroll step k, logits [B, T, V] whose slot t predicts x_{t+k+2}: every position t is an anchor
-        (token x_{t+1} at t+1, context f_0..f_t) and step k is its block's slot k+1."""
+    def slot_logits(self, rows: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
+        """Logits [..., V] of block rows [..., H]; `prev_tokens` [...] are the tokens at the rows' own positions
+        (what the step before drafted: the anchor for the first), which a DFlash row does not read."""
+        return self.lm_head(rows)
+
+    def slot_confidence(self, rows: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor | None:
+        """The logit [...] of the probability that the token drafted from each row is accepted (None: the kind
+        has no confidence head)."""
+        return None
+
+    def training_rows(self, input_ids: torch.Tensor, features: torch.Tensor, steps: int) -> torch.Tensor:
+        """Rows [B, T, steps, H] whose [:, t, k] is unroll step k at slot t (it predicts x_{t+k+2}): every position t
+        is an anchor (token x_{t+1} at t+1, context f_0..f_t) and step k is its block's k-th predicting row."""
         bsz, seq = input_ids.shape
         positions = torch.arange(seq, device=input_ids.device)
         anchors = torch.cat([input_ids[:, 1:], input_ids.new_zeros(bsz, 1)], dim=1)  # the last slot's label is past the end
         visible = positions[None, :] <= positions[:, None]
-        logits = self.block_logits(anchors, positions + 1, self.context(self.project(features), positions), visible, steps)
-        return list(logits.unbind(dim=2))
+        return self.block_rows(anchors, positions + 1, self.context(self.project(features), positions), visible, steps)
 
     def step(self, *args, **kwargs):
-        raise EyasError("a DFlash draft drafts a whole block at once (block_logits); it has no single draft step")
+        raise EyasError("a DFlash draft drafts a whole block at once (block_rows); it has no single draft step")
 

@@ -61,14 +61,22 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from eyas.draft.blocks import Eagle3Layer, rms_norm
 from eyas.draft.config import HeadConfig
 from eyas.draft.features import FUSED_LAYERS
-from eyas.draft.formats import ExportContext, FormatSpec, KindExport, attention_shapes, llama_biases, llama_fields, mlp_shapes
+from eyas.draft.formats import (
+    ExportContext,
+    FormatSpec,
+    KindExport,
+    attention_shapes,
+    llama_biases,
+    llama_fields,
+    mlp_shapes,
+    speculators_fields,
+)
 from eyas.draft.head import DraftHead
 from eyas.draft.kinds import KindRules, Variant, option
 from eyas.errors import EyasError
 
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
 VLLM_ARCHITECTURE = "Eagle3Speculator"
-SPECULATORS_VERSION = "0.3.0"
 # the engines' EAGLE-3 draft model classes, as the bias refusal names them
 _ENGINE_MODELS = {"sglang": "SGLang's LlamaForCausalLMEagle3", "vllm": "vLLM's Eagle3LlamaForCausalLM"}
 
@@ -141,15 +149,7 @@ def _sglang_config(cfg: HeadConfig, ctx: ExportContext) -> dict:
 def _vllm_config(cfg: HeadConfig, ctx: ExportContext) -> dict:
     return {
         "architectures": [VLLM_ARCHITECTURE],
-        "speculators_model_type": "eagle3",
-        "speculators_version": SPECULATORS_VERSION,
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": ctx.speculative_tokens,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": ctx.target.get("path"), "architectures": ctx.target.get("architectures", [])},
-        },
+        **speculators_fields("eagle3", ctx),
         "transformer_layer_config": llama_fields(cfg, 1, ctx.dtype),
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.hidden_size,

@@ -19,6 +19,8 @@ import torch
 from eyas.draft.config import HeadConfig
 from eyas.errors import EyasError
 
+# The speculators config version the vLLM exports of speculators' formats (eagle3, peagle, dspark) declare.
+SPECULATORS_VERSION = "0.3.0"
 # Draft steps written into an export when neither the command line nor the checkpoint says how many.
 DEFAULT_STEPS = 5
 
@@ -108,6 +110,9 @@ class FormatSpec:
     # the engine's draft model class that loads it, whose load record eyas reads for tensors left unloaded
     # ("": a loader eyas does not watch; vLLM's `AutoWeightsLoader` records a class by this name)
     engine_model: str = ""
+    # why no engine served this format in eyas's tests ("": the serving tier serves it, tests/test_vllm_parity.py);
+    # the export's marker records it in place of the engine version it was verified with
+    engine_unchecked: str = ""
     # exported config.json -> {"layer": the dict of Llama fields, "aux_layers", "num_layers", "draft_vocab_size",
     # and any variant fields}: what the read-back head config takes from this format's layout
     read_config: Callable[[dict], dict] = read_llama
@@ -184,6 +189,22 @@ def llama_fields(cfg: HeadConfig, num_layers: int, dtype: str) -> dict:
         "mlp_bias": False,
         "tie_word_embeddings": False,
         "torch_dtype": dtype,
+    }
+
+
+def speculators_fields(algorithm: str, ctx: ExportContext) -> dict:
+    """The fields every speculators-format config.json starts with (vLLM reads the method and the step count
+    from `speculators_config`, and requires a verifier entry)."""
+    return {
+        "speculators_model_type": algorithm,
+        "speculators_version": SPECULATORS_VERSION,
+        "speculators_config": {
+            "algorithm": algorithm,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": ctx.speculative_tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": ctx.target.get("path"), "architectures": ctx.target.get("architectures", [])},
+        },
     }
 
 

@@ -43,6 +43,8 @@ class KindRules:
     attention_bias_from_target: bool = True
     # the dataclass of its own recipe keys (fields made with `option`); None: it has none
     options: type | None = None
+    # the `train.loss` terms that score a part only its head has (eyas.config.HEAD_LOSSES: its confidence)
+    losses: tuple[str, ...] = ()
 
 
 def option(doc: str, default: Any, choices: tuple = (), positive: bool = False, elsewhere: str = "") -> Any:
@@ -80,7 +82,8 @@ def foreign_option(kind: str, title: str, key: str, value: Any, owners: dict[str
     elsewhere = option_fields(rules)[key].metadata["elsewhere"]
     if elsewhere:
         return f"recipe key 'draft.{key}' is {shown(value)}, but " + elsewhere.format(title=title or kind)
-    names = " and ".join(f"{k} ({r.title})" if r.title else k for k, r in owners.items())
+    named = [f"{k} ({r.title})" if r.title else k for k, r in owners.items()]
+    names = " and ".join([", ".join(named[:-1]), named[-1]] if len(named) > 1 else named)
     return (f"recipe key 'draft.{key}' is {shown(value)}, but draft.kind is '{kind}': it is an option of {names}; "
             f"set draft.kind={first} or remove the key")
 

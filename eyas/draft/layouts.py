@@ -65,7 +65,8 @@ LAYER_PER_STEP = Layout(
     "layer_per_step", "one layer per draft step, each with its own KV cache, step k reading the data's token "
     "(mtp)", weights_per_step=True, step_unit="layers")
 BLOCK = Layout(
-    "block", "a non-causal stack drafts the anchor's block of mask slots in one forward, over the target's "
-    "features as context (dflash)", step_unit="mask slots")
+    "block", "a non-causal stack drafts the anchor's block in one forward, over the target's features as "
+    "context; each block slot predicts one draft step (dflash: its mask rows; dspark: the anchor's row too)",
+    step_unit="block slots")
 
 LAYOUTS: tuple[Layout, ...] = (SHARED_LAYER, PARALLEL_SLOTS, LAYER_PER_STEP, BLOCK)
