@@ -191,17 +191,19 @@ class DumpConfig:
 
 @dataclass
 class DraftConfig:
-    kind: str = _doc("Draft head: eagle (EAGLE-1), eagle3 (EAGLE-3), mtp (one layer per step), peagle (EAGLE-3 "
-                     "drafting every step from mask slots at once) or dflash (a block of tokens per forward).", "eagle3")
-    num_steps: int = _doc("mtp: independent layers, one per draft step; dflash: mask slots per block (block size "
-                          "num_steps + 1, the most tokens it drafts per round).", 3)
+    kind: str = _doc("Draft head kind, one of the registry's (eyas/draft/registry.py; each described in "
+                     "docs/heads.md): eagle (EAGLE-1), eagle3 (EAGLE-3), mtp (one layer per step), peagle (EAGLE-3 "
+                     "drafting every step from mask slots at once), dflash (a block of tokens per forward), ...",
+                     "eagle3")
+    num_steps: int = _doc("The most tokens a draft proposes per round where the kind fixes it: mtp's layers (one per "
+                          "step), a block kind's slots (dflash: mask rows after the anchor).", 3)
     intermediate_size: int = _doc("MLP width of the draft layer (0: the target's).", 0)
     use_draft_vocab: bool = _doc(
-        "eagle3, peagle, mtp and dflash: predict over the reduced draft vocabulary (d2t/t2d); eagle always uses "
-        "the full one.", True
+        "Predict over the reduced draft vocabulary (d2t/t2d), for every kind but eagle, which always uses the full "
+        "one.", True
     )
-    train_lm_head: bool = _doc("eagle3, peagle and dflash: train the draft lm_head (initialised from the target's rows); "
-                               "false freezes it.", True)
+    train_lm_head: bool = _doc("Train the draft lm_head (initialised from the target's rows), for a kind that trains "
+                               "one (all but eagle and mtp); false freezes it.", True)
     # the recipe's keys of its kind alone (`draft.mtp_feed`, `draft.mask_token_id`, ...), as it set them: checked
     # against the kind's options dataclass (`KindRules.options`, beside the kind's head), written back flat
     options: dict = field(default_factory=dict)
