@@ -77,6 +77,8 @@ CASES: dict[str, tuple] = {
     "mtp-vllm-too-many": ("llama", {"tie_word_embeddings": True}, "mtp", {"num_steps": 3}, False, None, "vllm", 4,
                           False, {}),
     "mtp-draft-vocab": ("llama", {}, "mtp", {"num_steps": 2}, True, None, "sglang", 0, False, {}),
+    "dspark-vllm": ("llama", {}, "dspark", {"num_steps": 4, "markov_rank": 8}, True, [2, 3, 4], "vllm", 0, True, {}),
+    "dspark-vllm-too-many": ("llama", {}, "dspark", {"num_steps": 3}, False, [2, 3, 4], "vllm", 4, False, {}),
 }
 
 
@@ -285,7 +287,7 @@ def test_a_recipe_without_kind_keys_loads_without_torch():
 def test_a_kind_key_belongs_to_its_kinds():
     """A kind's key in a recipe of another kind is refused naming the kinds it belongs to; a near miss is named."""
     with pytest.raises(EyasError, match=r"'draft.mask_token_id' is 3, but draft.kind is 'eagle3': it is an option "
-                                        r"of peagle \(P-EAGLE\) and dflash \(DFlash\); set draft.kind=peagle"):
+                                        r"of peagle \(P-EAGLE\), dflash \(DFlash\) and dspark \(DSpark\); set draft.kind=peagle"):
         from_dict({"draft": {"kind": "eagle3", "mask_token_id": 3}})
     with pytest.raises(EyasError, match="unknown recipe key 'draft.mask_tokn_id'.*mask_token_id"):
         from_dict({"draft": {"kind": "dflash", "mask_tokn_id": 3}})

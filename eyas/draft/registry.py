@@ -42,6 +42,8 @@ KINDS: dict[str, Kind] = {
     "mtp": Kind("eyas.draft.mtp", LAYER_PER_STEP),
     "peagle": Kind("eyas.draft.peagle", PARALLEL_SLOTS),
     "dflash": Kind("eyas.draft.dflash", BLOCK),
+    # DSpark's published training: 0.1 ce + 0.9 tv + 1.0 confidence, step k weighted exp(-k/4)
+    "dspark": Kind("eyas.draft.dspark", BLOCK, {"train.loss": "ce:0.1,tv:0.9,confidence:1.0", "train.ttt_decay": 0.7788}),
 }
 
 
