@@ -47,9 +47,16 @@ from eyas.draft.layouts import BLOCK, LAYER_PER_STEP, PARALLEL_SLOTS, SHARED_LAY
 from eyas.errors import EyasError
 from eyas.eval.decoder import DecodeResult, SpeculativeDecoder, _Clock, _count, _cut, drafted_path
 from eyas.eval.drafts import LMDraft, MixtureDraft
-from eyas.eval.head_draft import BlockDraft, HeadDraft, PerStepDraft, SharedLayerDraft, mask_slot_inputs
+from eyas.eval.head_draft import (
+    BlockDraft,
+    HeadDraft,
+    PerStepDraft,
+    SharedLayerDraft,
+    chain_confidence,
+    mask_slot_inputs,
+)
 from eyas.eval.kv import check_attention, layer_masks, row_invariant_attention
-from eyas.eval.tree import Expansion, Shape, Tree, tree_steps
+from eyas.eval.tree import Expansion, Shape, Tree, confident_chain, tree_steps
 from eyas.eval.verify import verify_greedy, verify_sampled
 
 # --------------------------------------------------------------------------------------------
@@ -470,6 +477,7 @@ class BatchedBlockDraft:
         columns = torch.arange(int(ends[-1]))
         visible = (columns[None, :] >= (ends - lengths)[:, None]) & (columns[None, :] < ends[:, None])
         anchors = torch.tensor(roots, device=self.device)
+        self.roots = list(roots)
         self.rows = self.head.block_rows(anchors[None], torch.tensor(self.positions, device=self.device), context,
                                          visible.to(self.device), self.max_depth)[0]  # [B, K, H]
         self.nodes = TreeNodes(len(roots))
@@ -479,7 +487,12 @@ class BatchedBlockDraft:
         keep = rows.tolist()
         self.contexts = [self.contexts[b] for b in keep]
         self.positions = [self.positions[b] for b in keep]
+        self.roots = [self.roots[b] for b in keep]
         self.rows = self.rows[rows.to(self.rows.device)]
+
+    def chain_confidence(self, row: int, tokens: list[int]) -> list[float]:
+        """`BlockDraft.chain_confidence` of row `row`'s chain."""
+        return chain_confidence(self.head, self.rows[row], self.roots[row], tokens, self.draft.kind)
 
 
 class BatchedPerStepDraft:
@@ -655,8 +668,14 @@ class TogetherDrafts:
                     except StopIteration as built:
                         trees[i] = built.value
             if all(r is None for r in requests):
-                return trees
+                return [self._cut(b, tree) for b, tree in enumerate(trees)]
             answers = self.adapter.expand(requests)
+
+    def _cut(self, row: int, tree: Tree) -> Tree:
+        """A chain cut by the draft's confidence (`confident_chain`), when the shape asks for it."""
+        if not self.shape.confidence:
+            return tree
+        return confident_chain(tree, self.adapter.chain_confidence(row, tree.tokens[1:]), self.shape.confidence)
 
     def commit(self, trees: list[Tree], paths: list[list[int]], roots: list[int], features) -> torch.Tensor:
         return self.adapter.commit([drafted_path(t, p) for t, p in zip(trees, paths)],

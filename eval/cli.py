@@ -48,7 +48,7 @@ def build_parser():
                         help="draft checkpoint directory, truncated:N or mixture:LAM (repeat to compare)")
     parser.add_argument("--prompts", help="JSONL prompts (MT-bench turns, OpenAI messages) or 'heldout'")
     parser.add_argument("--shapes", nargs="+", metavar="SHAPE",
-                        help="chain:K, tree:[[0],[1],[0,0],...], dynamic:depth=D,topk=K,nodes=N")
+                        help="chain:K, chain:K,confidence=C, tree:[[0],[1],[0,0],...], dynamic:depth=D,topk=K,nodes=N")
     parser.add_argument("--temperature", help="0 = greedy (output identical to the target's)")
     parser.add_argument("--top-p", dest="top_p")
     parser.add_argument("--top-k", dest="top_k")

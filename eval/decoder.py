@@ -33,7 +33,7 @@ from eyas.decode import (
 )
 from eyas.errors import EyasError
 from eyas.eval.kv import check_attention, keep_positions, row_invariant_attention, tree_mask
-from eyas.eval.tree import Shape, build_tree
+from eyas.eval.tree import Shape, build_tree, confident_chain
 from eyas.eval.verify import verify_greedy, verify_sampled
 
 
@@ -94,6 +94,9 @@ class SpeculativeDecoder:
         if max_depth is not None and shape.depth > max_depth:
             raise EyasError(f"draft '{draft.name}' drafts at most {max_depth} tokens deep (one mtp layer per step); "
                             f"shape '{shape.spec}' needs {shape.depth}")
+        if shape.confidence and not hasattr(draft, "chain_confidence"):
+            raise EyasError(f"shape '{shape.spec}' cuts the chain by the draft's confidence, which draft '{draft.name}' "
+                            "does not give (a dspark draft does); use chain:K")
         self.target = target
         self.draft = draft
         self.shape = shape
@@ -175,6 +178,8 @@ class SpeculativeDecoder:
     def _round(self, cache, prefix: int, root: int, root_logits, expand, target_forward, result: DecodeResult):
         """Draft, verify, prune. Returns (kept draft ids, accepted tokens, bonus, features for the commit)."""
         tree = build_tree(self.shape, root, root_logits, expand, self.params, self.generator)
+        if self.shape.confidence:
+            tree = confident_chain(tree, self.draft.chain_confidence(tree.tokens[1:]), self.shape.confidence)
         positions = [prefix + d for d in tree.depths]
         mask = tree_mask(self.target.config, prefix, tree.ancestor_mask(), tree.depths, self.target.dtype,
                          self.device)

@@ -86,9 +86,23 @@ class VllmRun:
 
 
 def served_without_plugin(kind: str) -> bool:
-    """Whether a plain vLLM engine serves `kind`'s export (mtp needs eyas's plugin, docs/serving-mtp.md)."""
+    """Whether a plain vLLM engine serves `kind`'s export (mtp needs eyas's plugin, docs/serving-mtp.md; a format
+    no engine served in eyas's tests, dspark's, is not chosen for it: `FormatSpec.engine_unchecked`)."""
     spec = head_class(kind).export.formats.get("vllm")
-    return spec is not None and not spec.plugin
+    return spec is not None and not spec.plugin and not spec.engine_unchecked
+
+
+def unserved_reason(kind: str) -> str:
+    """Why a plain vLLM engine does not serve `kind` here (for a kind `served_without_plugin` says no to)."""
+    spec = head_class(kind).export.formats.get("vllm")
+    if spec is not None and spec.engine_unchecked:
+        return f"vLLM does not serve a {kind} head on this machine: {spec.engine_unchecked}"
+    return f"vLLM serves no {kind} head without a plugin"
+
+
+def _fixed_chains(shapes: list) -> list:
+    """The shapes vLLM drafts as eyas does: chains of a fixed K (a confidence-cut chain is eyas's decoder's alone)."""
+    return [s for s in shapes if s.kind == "chain" and not s.confidence]
 
 
 def resolve_engine(setting: str, specs: list[str], shapes: list, temperature: float) -> tuple[str, str]:
@@ -104,9 +118,9 @@ def resolve_engine(setting: str, specs: list[str], shapes: list, temperature: fl
     unserved = sorted({kind for kind in (read_draft_config(s)["kind"] for s in checkpoints)
                        if not served_without_plugin(kind)})
     why_not = ("eval.temperature is not 0 (the engines are compared greedy)" if temperature != 0
-               else "no chain:K shape in eval.shapes (vLLM drafts one chain)" if not any(s.kind == "chain" for s in shapes)
+               else "no chain:K shape in eval.shapes (vLLM drafts one chain)" if not _fixed_chains(shapes)
                else "no draft checkpoint to serve" if not checkpoints
-               else f"vLLM serves no {', '.join(unserved)} head without a plugin" if unserved else "")
+               else unserved_reason(unserved[0]) if unserved else "")
     if not why_not:
         try:
             version = require_vllm()
@@ -378,10 +392,10 @@ def engine_eval(specs: list[str], shapes: list, encoded: list, builtin: dict, ta
     report (both decoders' figures; `format_parity` prints it)."""
     version = require_vllm()
     check_vllm_version(version)
-    chains = [s for s in shapes if s.kind == "chain"]
+    chains = _fixed_chains(shapes)
     if not chains:
-        raise EyasError("eval.engine=vllm runs chain:K shapes only (vLLM's EAGLE proposer drafts one chain); "
-                        "add one to eval.shapes, e.g. chain:3")
+        raise EyasError("eval.engine=vllm runs chain:K shapes only (vLLM's EAGLE proposer drafts one chain, and its "
+                        "confidence-driven length is CUDA-only); add one to eval.shapes, e.g. chain:3")
     dtype = str(target.dtype).replace("torch.", "")
     target_dir = resolve_target_path(target_path)
     runs, labels, exported = [VllmRun("target")], {}, {}
@@ -392,8 +406,7 @@ def engine_eval(specs: list[str], shapes: list, encoded: list, builtin: dict, ta
 
         kind = read_draft_config(spec)["kind"]
         if not served_without_plugin(kind):
-            raise EyasError(f"draft '{spec}' is an {kind} head, which vLLM does not serve without a plugin; "
-                            "use eval.engine=builtin")
+            raise EyasError(f"draft '{spec}': {unserved_reason(kind)}; use eval.engine=builtin")
         folder = export_draft(spec, "vllm", out_dir / "vllm" / f"draft-{i}", dtype=dtype,
                               speculative_tokens=max(s.depth for s in chains), target_path=str(target_dir))
         exported[spec] = str(folder)

@@ -293,6 +293,11 @@ class BlockDraft(HeadDraft):
                         for (k, v), (nk, nv) in zip(self.context, added)]
         return self._block(root)
 
+    def chain_confidence(self, tokens: list[int]) -> list[float]:
+        """The draft's probability that each of this round's chain drafts `tokens` is accepted (`slot_confidence`
+        of row k read with the token before draft k: the root, then the chain's own)."""
+        return chain_confidence(self.head, self.rows, self.tokens[-1], tokens, self.kind)
+
     def _slot_logits(self, depths: list[int], tokens: list[int]) -> torch.Tensor:
         """Logits [n, V_draft] of the children of n nodes: row depth_i read with the node's own token."""
         return self.head.slot_logits(self.rows[depths], torch.tensor(tokens, device=self.device))
@@ -305,6 +310,16 @@ class BlockDraft(HeadDraft):
         self.rows = self.head.block_rows(anchor, torch.tensor([position], device=self.device), self.context, visible,
                                          self.max_depth)[0, 0]  # [K, H]
         return self._to_target(self._slot_logits([0], [root]))[0]
+
+
+def chain_confidence(head: DraftHead, rows: torch.Tensor, root: int, tokens: list[int], kind: str) -> list[float]:
+    """Per chain draft k, sigmoid of the head's confidence of block row k read with the token before it."""
+    before = torch.tensor([root] + tokens[:-1], device=rows.device)
+    logits = head.slot_confidence(rows[:len(tokens)], before)
+    if logits is None:
+        raise EyasError(f"a chain cut by confidence needs a draft that gives one; the {kind} draft gives none (a dspark "
+                        "draft does): use chain:K")
+    return torch.sigmoid(logits.float()).tolist()
 
 
 # The eval adapter of each drafting layout (eyas.draft.layouts).

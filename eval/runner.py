@@ -213,7 +213,8 @@ def _baseline_summary(overall: BaselineTally, per_category: dict, per_turn: dict
 
 
 def _config_summary(config: Config, baseline: BaselineTally | None, base_cat: dict, base_turn: dict) -> dict:
-    depth, chain = config.shape.depth, config.shape.kind == "chain"
+    # a confidence-cut chain varies its length: no fixed-K figures (tau_iid) for it
+    depth, chain = config.shape.depth, config.shape.kind == "chain" and not config.shape.confidence
     return {
         "draft": config.draft.name,
         "shape": config.shape.spec,

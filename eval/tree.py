@@ -2,6 +2,11 @@
 
 Shapes (`parse_shape`):
   chain:K                              K draft tokens in a line.
+  chain:K,confidence=C                 the chain cut after the deepest draft whose running product of
+                                       the draft's confidences (its probability that each draft so far
+                                       is accepted: DSpark's confidence head) is still >= C; at least
+                                       one draft (`confident_chain`). A draft without a confidence is
+                                       refused.
   tree:[[0],[1],[0,0],[0,1],[1,0]]     a static tree: each path lists child ranks from the root
                                        (rank r = the r-th best draft token at T=0, the r-th draw
                                        without replacement at T>0); every prefix of a path must be
@@ -26,7 +31,7 @@ from eyas.decode import SamplingParams, process_logits
 from eyas.errors import EyasError
 from eyas.eval.verify import draw_candidates
 
-SHAPE_HELP = "use chain:K, tree:[[0],[1],[0,0],...] or dynamic:depth=D,topk=K,nodes=N"
+SHAPE_HELP = ("use chain:K, chain:K,confidence=C, tree:[[0],[1],[0,0],...] or dynamic:depth=D,topk=K,nodes=N")
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,8 @@ class Shape:
     paths: tuple = ()              # static tree: sorted tuple of rank tuples
     topk: int = 0                  # dynamic
     nodes: int = 0                 # dynamic
+    # chain: verify only the drafts while the running product of the draft's confidences stays >= this (0: all K)
+    confidence: float = 0.0
 
     @property
     def max_nodes(self) -> int:
@@ -55,8 +62,8 @@ def parse_shape(spec: str) -> Shape:
     kind, _, body = spec.partition(":")
     kind = kind.strip()
     if kind == "chain":
-        k = _positive_int(body, spec, "K")
-        return Shape("chain", spec, depth=k)
+        depth, comma, rest = body.partition(",")
+        return Shape("chain", spec, depth=_positive_int(depth, spec, "K"), confidence=_confidence(comma + rest, spec))
     if kind == "tree":
         return _parse_static(spec, body)
     if kind == "dynamic":
@@ -72,6 +79,20 @@ def _positive_int(text: str, spec: str, what: str) -> int:
     if value < 1:
         raise EyasError(f"draft shape {spec!r}: {what} must be >= 1; {SHAPE_HELP}")
     return value
+
+
+def _confidence(text: str, spec: str) -> float:
+    """The `,confidence=C` after a chain's K (0: none), C in (0, 1)."""
+    if not text:
+        return 0.0
+    key, sep, value = text[1:].partition("=")
+    try:
+        threshold = float(value)
+    except ValueError:
+        threshold = -1.0
+    if key.strip() != "confidence" or not sep or not 0 < threshold < 1:
+        raise EyasError(f"draft shape {spec!r}: a chain takes confidence=C after K, C in (0, 1); {SHAPE_HELP}")
+    return threshold
 
 
 def _parse_static(spec: str, body: str) -> Shape:
@@ -149,6 +170,27 @@ class Tree:
 
     def path_tokens(self, path: list[int]) -> list[int]:
         return [self.tokens[i] for i in path]
+
+
+def confident_chain(tree: Tree, confidences: list[float], threshold: float) -> Tree:
+    """The chain `tree` cut after the deepest draft whose running product of confidences (the draft's
+    probability that each draft up to it is accepted) is still >= `threshold`; the first draft is always kept.
+
+    Exact for sampling too: whether draft d is kept depends only on the drafts before it and on d's own
+    confidence, which the draft computed before d was drawn (from d's parent), so the cut is a stopping
+    rule of the drafting, as if the later drafts had never been drawn."""
+    keep, running = 1, confidences[0]
+    for confidence in confidences[1:]:
+        running *= confidence
+        if running < threshold:
+            break
+        keep += 1
+    cut = new_tree(tree.tokens[0])
+    for node in range(1, keep + 1):
+        cut.add(node - 1, tree.tokens[node])
+        cut.draft_ids[node] = tree.draft_ids[node]
+    cut.child_q = {parent: q for parent, q in tree.child_q.items() if parent < keep}
+    return cut
 
 
 def new_tree(root: int) -> Tree:

@@ -274,7 +274,9 @@ class EvalConfig:
     answer_tokens: int = _doc(
         "Multi-turn prompts: tokens of the target's greedy answer to turn k that turn k+1 follows.", 128)
     shapes: list = _doc(
-        "Draft shapes compared: `chain:K`, `tree:<json list of paths>`, `dynamic:depth=D,topk=K,nodes=N`.",
+        "Draft shapes compared: `chain:K`, `chain:K,confidence=C` (cut where the running product of the draft's "
+        "confidences falls below C: a draft with a confidence head, dspark), `tree:<json list of paths>`, "
+        "`dynamic:depth=D,topk=K,nodes=N`.",
         factory=lambda: ["chain:5", "dynamic:depth=6,topk=8,nodes=32"],
     )
     temperature: float = _doc("Sampling temperature (0: greedy, exact match with the target).", 0.0)

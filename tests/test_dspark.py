@@ -226,3 +226,139 @@ def test_vllm_export_round_trips_and_vllm_parses_it(tmp_path, tiny_llama_dir):
         export_draft(checkpoint, "vllm", tmp_path / "deep", dtype="float32", speculative_tokens=STEPS + 1)
     reloaded, _ = load_draft(checkpoint)
     assert reloaded.config == head.config
+
+
+# ----------------------------------------------------------------------------- chains cut by the confidence
+
+
+def test_confidence_shapes_parse_and_refuse_drafts_without_one(tmp_path, tiny_llama_dir):
+    """`chain:K,confidence=C` parses, is refused for drafts without a confidence, and is not handed to vLLM (whose
+    confidence-driven length is CUDA-only), nor is a dspark draft."""
+    from eyas.eval.engine_vllm import resolve_engine, served_without_plugin
+
+    assert parse_shape("chain:5,confidence=0.4").confidence == 0.4 and parse_shape("chain:5").confidence == 0.0
+    assert "no chain:K shape" in resolve_engine("auto", [], [parse_shape("chain:3,confidence=0.5")], 0.0)[1]
+    assert not served_without_plugin("dspark") and served_without_plugin("dflash")
+    for bad in ("chain:5,confidence=1.5", "chain:5,conf=0.3", "chain:5,confidence=x", "chain:5,"):
+        with pytest.raises(EyasError, match="a chain takes confidence=C after K"):
+            parse_shape(bad)
+    head, target, tokenizer = random_head(tiny_llama_dir, "dflash", num_steps=STEPS)
+    draft = load_head_draft(save_draft(tmp_path / "dflash", head, {"step": 0}), target, tokenizer)
+    prompt = torch.arange(3, 9)
+    with pytest.raises(EyasError, match="the dflash draft gives none"):
+        SpeculativeDecoder(target, draft, parse_shape("chain:3,confidence=0.5"), GREEDY, []).generate(prompt, 8)
+    from eyas.eval.drafts import LMDraft, truncated_target
+
+    with pytest.raises(EyasError, match="does not give \\(a dspark draft does\\); use chain:K"):
+        SpeculativeDecoder(target, LMDraft(truncated_target(target, 2), "truncated:2"),
+                           parse_shape("chain:3,confidence=0.5"), GREEDY, [])
+
+
+def test_greedy_chains_cut_by_confidence_equal_target_greedy(tmp_path, tiny_qwen2_dir):
+    """T=0: a chain cut where the running product of confidences falls below C emits the target's greedy tokens,
+    one at a time and batched (each row cut by its own confidences), verifying fewer drafts than the fixed chain;
+    a C no product falls below verifies them all."""
+    from eyas.eval.batched import BatchedDecoder
+
+    head, target, tokenizer = _head(tiny_qwen2_dir)
+    with torch.no_grad():
+        head.confidence_head.proj.weight.normal_(0, 0.2)  # confidences spread over (0, 1), so cuts vary
+    draft = load_head_draft(save_draft(tmp_path / "ckpt", head, {"step": 0}), target, tokenizer)
+    eos = stop_token_ids(target)
+    prompts = [torch.randint(3, target.config.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+               for n in (5, 11, 17)]
+    references = [target_generate(target, p, 24, GREEDY, eos) for p in prompts]
+    sizes = {}
+    for spec in ("chain:3", "chain:3,confidence=1e-9", "chain:3,confidence=0.3"):
+        one = [SpeculativeDecoder(target, draft, parse_shape(spec), GREEDY, eos).generate(p, 24) for p in prompts]
+        batch = BatchedDecoder(target, draft, parse_shape(spec), GREEDY, eos).generate([p.tolist() for p in prompts], 24)
+        for ref, a, b in zip(references, one, batch):
+            assert a.tokens == ref and b.tokens == ref, spec
+            assert a.tree_sizes == b.tree_sizes, spec
+        sizes[spec] = [s for r in one for s in r.tree_sizes]
+    assert sizes["chain:3,confidence=1e-9"] == sizes["chain:3"] and set(sizes["chain:3"]) == {3}
+    assert 1 in sizes["chain:3,confidence=0.3"] and max(sizes["chain:3,confidence=0.3"]) > 1
+
+
+def test_sampled_chains_cut_by_confidence_follow_the_target_distribution(tmp_path):
+    """T=1 on a 16-token target: chain:3 cut by the DSpark head's own confidences (each draft's from its parent's
+    token), with C set so that rounds verify 1, 2 or 3 drafts; the joint of the first two emitted tokens is
+    within TV 0.01 of the target's exact joint (the method of tests/test_eval_exact.py)."""
+    from test_eval_exact import SAMPLES, exact_joint, plain_joint, sample_joint, tv
+
+    from eyas.decode import process_logits
+    from eyas.eval.tree import build_tree, confident_chain
+    from eyas.eval.verify import verify_sampled
+
+    target = tiny_vocab_target(tmp_path / "tiny")
+    torch.manual_seed(0)
+    head = build_head(draft_config(kind="dspark", num_steps=3, markov_rank=8, mask_token_id=15), target.config,
+                      default_layers(target.config.num_hidden_layers))
+    head.init_from_target(target)
+    _sharpen_markov(head, 15.0)  # a bias that matters, not one that fixes every draft
+    with torch.no_grad():
+                # a confidence read from the previous token alone, spread over (0, 1) (the hidden part would saturate it)
+        head.confidence_head.proj.weight.zero_()
+        head.confidence_head.proj.weight[0, head.config.hidden_size:].normal_(0, 1.5)
+    draft = BlockDraft(head.eval(), "dspark")
+    context = torch.tensor([3, 7, 1, 12, 5, 9])
+    n = len(context)
+    with torch.inference_mode():
+        triples = [(a, b, c) for a in range(VOCAB) for b in range(VOCAB) for c in range(VOCAB)]
+        logits = target(torch.tensor([context.tolist() + list(t) for t in triples])).logits.float()
+        draft_table = {(): draft.start(context[:-1], int(context[-1]), _features(target, context, draft.feature_layers)[:-1])}
+        for a in range(VOCAB):
+            draft_table[(a,)] = draft.expand([-1], [a])[0]
+            for b in range(VOCAB):
+                draft_table[(a, b)] = draft.expand([len(draft.nodes) - 1], [b])[0]
+                draft.nodes.pop()
+        # draft k's confidence reads the token before it: the root's for the first, then a, then b
+        first = draft.chain_confidence([0])[0]
+        after_a = [draft.chain_confidence([a, 0])[1] for a in range(VOCAB)]
+        after_b = [draft.chain_confidence([0, b, 0])[2] for b in range(VOCAB)]
+    target_table = {(): logits[0, n - 1]}
+    for row, (a, b, c) in enumerate(triples):
+        target_table[(a,)], target_table[(a, b)], target_table[(a, b, c)] = logits[row, n], logits[row, n + 1], \
+            logits[row, n + 2]
+    params, generator, lengths = SamplingParams(1.0), torch.Generator().manual_seed(1234), []
+
+    def expand(parents, tokens, contexts=[]):  # noqa: B006 (the round's node contexts, reset per round)
+        if parents[0] < 0:
+            contexts.clear()
+        rows = []
+        for parent, token in zip(parents, tokens):
+            contexts.append((contexts[parent] if parent >= 0 else ()) + (token,))
+            rows.append(draft_table[contexts[-1]])
+        return torch.stack(rows)
+
+    def products(tokens: list[int]) -> list[float]:  # the running products of the chain's confidences
+        return [first * after_a[tokens[1]], first * after_a[tokens[1]] * after_b[tokens[2]]]
+
+    # C where the draft's own chains (2,000 drawn apart) most evenly verify 1, 2 and 3 drafts
+    probe = torch.Generator().manual_seed(7)
+    chains = [products(build_tree(parse_shape("chain:3"), int(context[-1]), draft_table[()], expand, params,
+                                  probe).tokens) for _ in range(2000)]
+
+    def fewest(c: float) -> int:  # the rarest length's count at threshold c
+        kept = [1 + (p2 >= c) + (p2 >= c and p3 >= c) for p2, p3 in chains]
+        return min(kept.count(k) for k in (1, 2, 3))
+
+    threshold = max(sorted({v for chain in chains for v in chain})[::20], key=fewest)
+
+    def one_round() -> list[int]:
+        tree = build_tree(parse_shape("chain:3"), int(context[-1]), draft_table[()], expand, params, generator)
+        tree = confident_chain(tree, [first, after_a[tree.tokens[1]], after_b[tree.tokens[2]]], threshold)
+        lengths.append(len(tree) - 1)
+        paths = [tuple(tree.tokens[1:i + 1]) for i in range(len(tree))]
+        probs = torch.stack([process_logits(target_table[p], params) for p in paths])
+        path, bonus = verify_sampled(tree.children, tree.tokens, probs, tree.child_q, generator)
+        return tree.path_tokens(path) + [bonus]
+
+    joint = sample_joint(one_round, target_table, params, generator)
+    exact = exact_joint(target_table, params)
+    spec_tv, plain_tv = tv(joint, exact), tv(plain_joint(target_table, params, generator), exact)
+    print(f"confidence chain: TV(speculative, exact)={spec_tv:.4f} TV(plain, exact)={plain_tv:.4f} "
+          f"lengths 1/2/3: {[lengths.count(k) for k in (1, 2, 3)]} of {SAMPLES}")
+    assert spec_tv < 0.01 and plain_tv < 0.01
+    # the cut moved with the drafts: after the second (its confidence reads the first draft's token) and the third
+    assert min(lengths.count(2), lengths.count(3)) > SAMPLES // 20 and lengths.count(1) > 0
