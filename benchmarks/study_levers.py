@@ -15,14 +15,14 @@ deeper unrolls cost more per step; that is stated, not hidden).
 Eval decodes every draft of a group in one process, interleaved prompt by prompt
 (eyas.eval.runner), at T=0 on the run's held-out chat and on two prompts of each of the 13
 categories of `benchmarks/prompts/broad.jsonl` (both turns of the two-turn ones): the eagle3
-variants with `chain:4`, the 3-layer mtp heads beside the eagle3 base with `chain:3`, and the four
-head kinds side by side (`kinds`: eagle3, mtp, peagle and dflash, each from its best start) with
-`chain:3`. `--vllm` also serves every draft a plain vLLM serves (all but mtp) through
+variants with `chain:4`, the 3-layer mtp heads beside the eagle3 base with `chain:3`, and the
+head kinds side by side (`kinds`: eagle3, mtp, peagle, dflash and dspark, each from its best start) with
+`chain:3`. `--vllm` also serves every draft a plain vLLM serves (all but mtp and dspark) through
 `eval.engine=vllm`: vLLM's τ and speedup over its own target alone, beside eyas's. Each row also
 has the draft's time per round and its share of the decode. Results go to
 benchmarks/results/study_levers.{json,md}, with a `BENCH` line per variant, group and suite.
 
-    python benchmarks/study_levers.py --data runs/quickstart --only init-target mtp3-target peagle dflash \
+    python benchmarks/study_levers.py --data runs/quickstart --only init-target mtp3-target peagle dflash dspark \
         --groups kinds --vllm --tag kinds
 `--smoke` runs the same stages on a tiny quickstart run it prepares and dumps itself (tests/fixtures.py's
 tiny target): `base` for 2 steps, the eagle3 group, 4 prompts of 8 tokens per suite; everything,
@@ -73,6 +73,8 @@ VARIANTS = {
     # (init-target) is
     "peagle": ["draft.kind=peagle", "train.draft_init=target_last_layer"],
     "dflash": ["draft.kind=dflash", "draft.num_steps=3", "train.draft_init=target_last_layer"],
+    # DSpark: 3 drafts per block as dflash's 3 mask slots, its published loss (its registry line's defaults)
+    "dspark": ["draft.kind=dspark", "draft.num_steps=3", "train.draft_init=target_last_layer"],
 }
 PER_CATEGORY = 2
 EVAL_TOKENS = 40
@@ -83,9 +85,9 @@ def kind_of(name: str) -> str:
     return next((o.split("=", 1)[1] for o in VARIANTS[name] if o.startswith("draft.kind=")), "eagle3")
 
 
-# the four kinds side by side at equal data and steps, each in its best start found above: eagle3, peagle and
-# dflash from the target's last layer, mtp (3 layers, target feed) from a random init, which beat the copy
-KINDS_SIDE_BY_SIDE = ("init-target", "mtp3-target", "peagle", "dflash")
+# the kinds side by side at equal data and steps, each in its best start found above: eagle3, peagle, dflash and
+# dspark from the target's last layer, mtp (3 layers, target feed) from a random init, which beat the copy
+KINDS_SIDE_BY_SIDE = ("init-target", "mtp3-target", "peagle", "dflash", "dspark")
 # eval groups: the eagle3 variants drafting 4 deep; the 3-layer mtp heads (which cannot go deeper)
 # beside the eagle3 base, all 3 deep; the four kinds 3 deep (dflash's 3 mask slots)
 GROUPS = {"eagle3": ("chain:4", lambda name: kind_of(name) == "eagle3"),

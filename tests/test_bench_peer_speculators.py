@@ -141,3 +141,22 @@ def test_unshipped_mask_vector_is_expected_unloaded(bench, tmp_path):
     assert "mask_embedding" in run.shared and "embed_tokens.weight" in run.shared
     (tmp_path / "mask_embedding.pt").write_bytes(b"")
     assert "mask_embedding" not in bench.without_mask_file(draft_run("eyas", tmp_path, "dflash", 3)).shared
+
+
+@pytest.mark.bench
+def test_speculators_loads_the_dspark_export_with_equal_logits(tmp_path):
+    """speculators 0.9.0's own DSpark model class (installed apart from eyas's environment, from the registry) loads
+    an eyas dspark export as written and gives the eyas head's logits and confidences on every (anchor, row) pair,
+    the Markov bias changing many of the drafts (benchmarks/crossload_speculators.py)."""
+    import json
+    import subprocess
+
+    out = tmp_path / "crossload.json"
+    done = subprocess.run([sys.executable, str(BENCH / "crossload_speculators.py"), "--peers", str(tmp_path / "peers"),
+                           "--out", str(out), "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["peer"] == ["speculators==0.9.0", "hs-connectors==0.9.0"]  # the real peer, not the stand-in
+    result = report["result"]
+    assert result["equal"] and result["pairs"] >= 300 and result["argmax_changed_by_markov"] > result["pairs"] // 4
+    assert not report["loading"]["unused_in_export"] and not report["loading"]["nan_left"]
