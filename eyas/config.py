@@ -246,6 +246,11 @@ class TrainConfig:
     eval_batches: int = _doc("Held-out micro-batches per evaluation.", 20)
     save_every: int = _doc("Checkpoint every N steps (0: only at the end).", 500)
     keep_last: int = _doc("Checkpoints kept (the best by held-out acceptance is kept besides).", 2)
+    dist_timeout_s: int = _doc(
+        "Seconds a collective may wait (the process group's timeout), and the bound on what the main process does "
+        "alone while the others wait (sign, publish and prune a checkpoint, hash one before a resume, convert a "
+        "DeepSpeed state): past it every rank stops with an error naming the step. Raise it for a slow shared "
+        "filesystem.", 1800)
     log_every: int = _doc("Log metrics every N steps.", 10)
     logger: str = _doc("none, wandb (offline without an API key) or tensorboard.", "none")
     resume: bool = _doc("Resume from the newest checkpoint in the run directory if there is one.", True)
@@ -368,7 +373,7 @@ _POSITIVE = ["train.lr", "train.token_budget", "train.grad_accum", "train.ttt_st
              "data.regenerate_max_new_tokens", "data.regenerate_batch_size", "dump.token_budget",
              "dump.shard_tokens", "dump.vllm_tensor_parallel_size",
              "dump.topk", "eval.max_new_tokens", "eval.answer_tokens", "data.self_prompt_temperature", "train.epochs",
-             "train.keep_last", "train.eval_batches", "eval.batch_size"]
+             "train.keep_last", "train.eval_batches", "eval.batch_size", "train.dist_timeout_s"]
 _NON_NEGATIVE = ["train.ttt_ramp_steps", "train.loader_workers",
                  "train.prefetch", "train.max_steps", "data.max_turns", "train.warmup_steps", "train.weight_decay", "train.max_grad_norm",
                  "train.eval_every", "train.save_every", "train.feature_loss_weight", "data.max_samples", "data.self_prompts",

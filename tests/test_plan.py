@@ -178,6 +178,23 @@ def test_refuse_if_too_big_names_the_setting_and_passes_what_fits(config_8b):
     assert train_memory.train_need(recipe, config, *sizes, hw, "zero3").device_total < ddp
 
 
+def test_an_8k_run_whose_attention_falls_back_to_dense_is_refused_at_start(config_8b):
+    """An 8K-token run of the 8B recipe fits one H100 with the fused TTT attention (38 GiB); where flash cannot
+    run its shapes the dense path needs 100 GiB: refused with the reason, the figure and what fits."""
+    recipe = load_recipe(str(RECIPE_8B), ["data.max_length=8192", "train.token_budget=8192"])
+    config = plan.read_config(recipe, str(config_8b))
+    memory = plan.GPUS["h100-80gb"] * shared.MIB
+    train_memory.refuse_if_too_big("train", recipe, config, memory, 8)  # fused: fits
+    with pytest.raises(EyasError) as refused:
+        train_memory.refuse_if_too_big("train", recipe, config, memory, 8, dense_reason="flash cannot run these shapes")
+    message = str(refused.value)
+    assert "needs 100.0 GiB > 79.6 GiB" in message and "runs densely here (flash cannot run these shapes)" in message
+    assert "data.max_length=4096 fits" in message and "train.checkpoint_unroll=true fits" in message
+    # fp32 on a GPU runs densely by itself: bf16 is what fits
+    with pytest.raises(EyasError, match=r"train\.mixed_precision=bf16 fits \(38\.0 GiB"):
+        train_memory.refuse_if_too_big("train", shared.with_setting(recipe, "train.mixed_precision", "fp32"), config, memory, 8)
+
+
 def test_accelerate_configs_are_read_for_their_sharding():
     folder = REPO / "recipes" / "accelerate"
     assert plan.accelerate_sharding(str(folder / "ddp.yaml")) == "ddp"

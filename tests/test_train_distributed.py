@@ -210,3 +210,37 @@ def test_resume_on_another_number_of_processes(workspace, one_process, backend, 
     for key in wa:
         torch.testing.assert_close(wa[key], wb[key], rtol=1e-4, atol=1e-5, msg=key)
     assert not list((run / "checkpoints").glob(".universal-*"))  # the converted DeepSpeed state is gone
+
+
+SLOW_PUBLISH = """
+import sys, time
+import eyas.train.loop as loop
+
+publish = loop.publish_dir
+
+def slow_publish(partial, final):  # an artificial slow filesystem under the run directory
+    time.sleep(600)
+    return publish(partial, final)
+
+loop.publish_dir = slow_publish
+sys.exit(loop.main(sys.argv[1:]))
+"""
+
+
+def test_slow_publish_on_rank_zero_stops_both_ranks_at_the_bound(workspace, tmp_path):
+    """A checkpoint publish slower than train.dist_timeout_s stops the run with the step and the setting named,
+    at the bound (rank 1 waits 8 s, not the publish's 10 minutes or a watchdog's 30); torchrun then stops rank 0."""
+    run = new_run(workspace, "slow_publish")
+    script = tmp_path / "slow_publish.py"
+    script.write_text(SLOW_PUBLISH)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script),
+                           str(workspace["recipe"]), "run.name=slow_publish", "train.max_steps=1",
+                           "train.dist_timeout_s=8"], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=240)
+    took = time.monotonic() - start
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert ("rank 1 stopped: the main process's checkpoint's signing and publishing did not finish within "
+            "train.dist_timeout_s=8 s") in out, out[-4000:]
+    assert took < 150, took  # it stopped at the bound, long before the publish would have ended
+    assert not (run / "checkpoints" / "step_00000001").exists()  # nothing half-published

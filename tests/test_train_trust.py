@@ -24,6 +24,7 @@ from eyas.errors import EyasError
 from eyas.io import sha256_file
 from eyas.train import trust
 from eyas.train.loop import train
+from eyas.train.rank_zero import RankZeroWork
 
 
 @pytest.fixture(autouse=True)
@@ -135,13 +136,15 @@ def test_no_or_a_broken_digest_file_is_refused_and_accepting_it_takes_its_path(t
 
 def test_verify_before_load_raises_one_line(tmp_path):
     class OneProcess:
-        is_main_process, num_processes = True, 1
+        is_main_process, num_processes, process_index = True, 1, 0
 
     checkpoint = _fake_checkpoint(tmp_path)
+    rank_zero = RankZeroWork(OneProcess(), timeout_s=60)
     with pytest.raises(EyasError, match=r"^refusing to resume from .*has no state\.hmac[^\n]*$"):
-        trust.verify_before_load(OneProcess(), checkpoint)
+        trust.verify_before_load(rank_zero, checkpoint)
     trust.sign_checkpoint(checkpoint)
-    trust.verify_before_load(OneProcess(), checkpoint)
+    trust.verify_before_load(rank_zero, checkpoint)
+    assert set(rank_zero.seconds) == {"check of the checkpoint's digest"}  # measured
 
 
 def test_racing_creators_end_with_one_key(key_file):

@@ -13,7 +13,16 @@ from train_helpers import draft_cfg, synthetic_batch, tiny_d2t, tiny_target_conf
 
 import eyas.draft.ttt_attention as tta
 from eyas.draft.registry import build_head
-from eyas.draft.ttt_attention import CPU_FLASH, CUDA_FLASH, FusedTTTAttention, flash_kernel, ttt_attention, ttt_attention_reference
+from eyas.draft.ttt_attention import (
+    CPU_FLASH,
+    CUDA_FLASH,
+    FusedTTTAttention,
+    dense_fallback_reason,
+    flash_kernel,
+    kernel_for,
+    ttt_attention,
+    ttt_attention_reference,
+)
 from eyas.train.losses import Teacher
 from eyas.train.ttt import unroll
 
@@ -153,6 +162,25 @@ def test_kernel_choice_and_the_one_time_fallback_warning(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ttt_attention(q.to("meta"), meta_kv, DIM ** -0.5)  # the same reason warns once
+
+
+def test_the_fallback_decision_for_an_8k_run_on_a_gpu():
+    """What the trainer asks at the start on a GPU (Llama-3.1-8B's attention: 32 heads, 8 kv heads, head_dim 128):
+    bf16 takes CUDA's flash kernel where torch says it runs the shapes; fp32 never does (torch is not asked);
+    an architecture or head_dim flash cannot run falls back, with the reason the refusal quotes."""
+    asked = []
+
+    def runs(answer):
+        return lambda: asked.append(answer) or answer
+
+    assert kernel_for("cuda", torch.bfloat16, runs(True)) == (CUDA_FLASH, "")
+    kernel, reason = kernel_for("cuda", torch.bfloat16, runs(False))
+    assert kernel is None and "does not run these shapes on this GPU" in reason
+    kernel, reason = kernel_for("cuda", torch.float32, runs(True))
+    assert kernel is None and "train.mixed_precision=bf16" in reason and asked == [True, False]
+    for dtype in (torch.bfloat16, torch.float32):  # the CPU's kernel takes both: no fallback here
+        assert dense_fallback_reason(torch.device("cpu"), dtype, 32, 8, 128) == ""
+    assert "no fused attention kernel on meta" in dense_fallback_reason(torch.device("meta"), torch.bfloat16, 32, 8, 128)
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "eagle", "mtp"])

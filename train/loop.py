@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +56,10 @@ from eyas.data.vocab import VOCAB_FILE, build_vocab, count_tokens, load_vocab
 from eyas.draft.checkpoint import save_draft
 from eyas.draft.head import DraftHead, count_parameters, init_layers_from_target
 from eyas.draft.registry import build_head, head_class, uses_draft_vocab
+from eyas.draft.ttt_attention import dense_fallback_reason
 from eyas.errors import EyasError
 from eyas.io import fresh_partial, publish_dir, sha256_file
+from eyas.memory import shapes_of
 from eyas.precision import mixed_precision_for
 from eyas.stage_cli import stage_main
 from eyas.targets import load_target, load_target_config, load_tokenizer, target_identity
@@ -68,6 +71,7 @@ from eyas.train.losses import Teacher
 from eyas.train.memory import refuse_if_too_big, sharding_of
 from eyas.train.metrics import MetricsLogger, tracker_settings
 from eyas.train.online import OnlineFeatures, PreparedReader
+from eyas.train.rank_zero import RankZeroWork
 from eyas.train.ttt import TrainingUnroll, default_token_feed, head_state, simulated_acceptance_length, step_counts
 
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
@@ -81,9 +85,11 @@ def make_accelerator(recipe: Recipe, find_unused: bool) -> Accelerator:
     # accelerate drops DeepSpeed when cpu=True; on a machine without a GPU DeepSpeed runs on its
     # own CPU accelerator, and the process group has to be gloo (accelerate only knows GPU backends there).
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    handlers = [DistributedDataParallelKwargs(find_unused_parameters=find_unused)]
-    if deepspeed and not torch.cuda.is_available():
-        handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    # backend None: accelerate's own choice (NCCL on GPUs, gloo on CPUs); accelerate leaves out a timeout equal to
+    # its default (600 s), which is torch's NCCL default too
+    backend = "gloo" if deepspeed and not torch.cuda.is_available() else None
+    handlers = [DistributedDataParallelKwargs(find_unused_parameters=find_unused),
+                InitProcessGroupKwargs(backend=backend, timeout=timedelta(seconds=recipe.train.dist_timeout_s))]
     _forget_previous_run_settings()
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available() and not deepspeed,
@@ -312,6 +318,7 @@ class Trainer:
         unused = self.kind_class.layout.weights_per_step and self.cfg.ttt_ramp_steps > 0
         self.accelerator = make_accelerator(recipe, find_unused=unused)
         self.device = self.accelerator.device
+        self.rank_zero = RankZeroWork(self.accelerator, self.cfg.dist_timeout_s)
         self.resume_from = ckpt.latest_checkpoint(self.ckpt_root) if self.cfg.resume else None
         self.resize = ckpt.plan_resize(self.resume_from, self.accelerator.num_processes, self.cfg.grad_accum)
         if self.resize:  # before anything sizes itself by grad_accum: the loader, the schedule, DeepSpeed
@@ -321,7 +328,8 @@ class Trainer:
         self.processes_changed = bool(self.resize and self.resize.processes_changed)
         if self.device.type == "cuda":  # a recipe that cannot fit is refused now, before the target and the data load
             refuse_if_too_big("train", recipe, target_config, torch.cuda.get_device_properties(self.device).total_memory,
-                              self.accelerator.num_processes, sharding_of(self.accelerator), self.accelerator.mixed_precision)
+                              self.accelerator.num_processes, sharding_of(self.accelerator), self.accelerator.mixed_precision,
+                              self._dense_attention_reason(target_config))
         self.source = open_source(recipe, target_config, self.identity, self.device, target_model)
         head, lm_head = self._build_head(target_config, target_model)
         self.head_config = head.config
@@ -351,6 +359,14 @@ class Trainer:
         check_against_target(recipe, target_config)
         self.identity = target_identity(target_config, load_tokenizer(recipe.target))
         return target_config
+
+    def _dense_attention_reason(self, target_config: Any) -> str:
+        """Why the unroll's attention would run densely on this GPU ("" where it runs fused, or has one step)."""
+        if self.train_steps < 2:
+            return ""
+        s = shapes_of(target_config)
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.accelerator.mixed_precision, torch.float32)
+        return dense_fallback_reason(self.device, dtype, s.heads, s.kv_heads, s.head_dim)
 
     def _build_head(self, target_config: Any, target_model: Any) -> tuple[DraftHead, torch.Tensor]:
         """A seeded new head with the target's embedding, lm_head and final norm copied in."""
@@ -565,9 +581,7 @@ class Trainer:
     def _write_checkpoint(self, name: str, partial: Path, best_only: bool) -> Path:
         acc = self.accelerator
         final = self.ckpt_root / name
-        if acc.is_main_process:
-            fresh_partial(final)
-        acc.wait_for_everyone()
+        self.rank_zero.run("checkpoint's fresh directory", lambda: fresh_partial(final))
         state_dict = head_state(acc.get_state_dict(self.model))
         meta = {"step": self.state.step, "eval": self.state.last_eval, "run": self.recipe.run.name,
                 "tokens": self.state.tokens, "train_steps": self.train_steps, "ttt_steps": self.cfg.ttt_steps}
@@ -576,23 +590,25 @@ class Trainer:
             rng = partial / "state" / f"random_states_{acc.process_index}.pkl"
             ckpt.write_json(partial / f"loader_rank{acc.process_index}.json",
                             {**self.position, "rng_sha256": sha256_file(rng) if rng.is_file() else None})
-        if acc.is_main_process:
-            save_draft(partial, self.head, meta, state_dict)
-            if not best_only:
-                ckpt.write_json(partial / ckpt.TRAINER_FILE, {
-                    **self.state.to_dict(), "scheduler": self.scheduler.state_dict(),
-                    "world_size": acc.num_processes, "head_config": self.head_config.to_dict(),
-                    "train": dataclasses.asdict(self.cfg), "seed": self.recipe.run.seed,
-                    "total_steps": self.total_steps})
-        acc.wait_for_everyone()
-        if acc.is_main_process:
-            if not best_only:  # every rank's files are written: sign what a resume reads (eyas.train.trust)
-                trust.sign_checkpoint(partial)
-            publish_dir(partial, final)
-            if not best_only:
-                ckpt.prune_checkpoints(self.ckpt_root, self.cfg.keep_last)
-        acc.wait_for_everyone()
+        self.rank_zero.run("draft's save", lambda: self._write_main_files(partial, best_only, meta, state_dict))
+        acc.wait_for_everyone()  # every rank's files are written before they are signed
+        self.rank_zero.run("checkpoint's signing and publishing", lambda: self._publish(partial, final, best_only))
         return final
+
+    def _write_main_files(self, partial: Path, best_only: bool, meta: dict, state_dict: dict) -> None:
+        save_draft(partial, self.head, meta, state_dict)
+        if not best_only:
+            ckpt.write_json(partial / ckpt.TRAINER_FILE, {
+                **self.state.to_dict(), "scheduler": self.scheduler.state_dict(),
+                "world_size": self.accelerator.num_processes, "head_config": self.head_config.to_dict(),
+                "train": dataclasses.asdict(self.cfg), "seed": self.recipe.run.seed, "total_steps": self.total_steps})
+
+    def _publish(self, partial: Path, final: Path, best_only: bool) -> None:
+        if not best_only:  # sign what a resume reads (eyas.train.trust)
+            trust.sign_checkpoint(partial)
+        publish_dir(partial, final)
+        if not best_only:
+            ckpt.prune_checkpoints(self.ckpt_root, self.cfg.keep_last)
 
     def resume(self) -> None:
         """Restore everything from the newest complete checkpoint, if resuming is on and there is one."""
@@ -614,7 +630,7 @@ class Trainer:
         position = json.loads(position_file.read_text())
         self._check_rng_state(latest)
         # before anything is unpickled; hashing reads the whole state once (seconds per GB of a DeepSpeed state)
-        trust.verify_before_load(self.accelerator, latest, self.cfg.trust_checkpoint)
+        trust.verify_before_load(self.rank_zero, latest, self.cfg.trust_checkpoint)
         self._load_state(latest / "state")
         self.scheduler.load_state_dict(saved["scheduler"])
         if changes:
@@ -634,9 +650,8 @@ class Trainer:
             acc.load_state(str(state))
             return
         universal = self.ckpt_root / f".universal-{state.parent.name}"
-        if acc.is_main_process:
-            ckpt.universal_state(state, universal)
-        acc.wait_for_everyone()
+        self.rank_zero.run("conversion of the DeepSpeed state to a universal one",
+                           lambda: ckpt.universal_state(state, universal))
         acc.load_state(str(universal))
         acc.wait_for_everyone()
         if acc.is_main_process:
@@ -741,7 +756,7 @@ class Trainer:
                 self.source.features.close()
         return {"step": self.state.step, "outcome": outcome, "checkpoint": ckpt.latest_checkpoint(self.ckpt_root),
                 "best": ckpt.best_checkpoint(self.run_dir), "best_sim_accept": self.state.best_sim_accept,
-                "last_eval": self.state.last_eval}
+                "last_eval": self.state.last_eval, "main_process_seconds": dict(self.rank_zero.seconds)}
 
     def _stop_requested(self, signals: StopSignals, stop_at_step: int | None) -> bool:
         """Every rank agrees: a signal on any rank (or the requested step) stops all of them."""

@@ -13,6 +13,7 @@ GPU by more than the model's measured error, before it loads the target.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -250,7 +251,7 @@ def optimizer_need(d: DraftSize, p: Precision, sharding: str, gpus: int, device:
 
 
 def train_need(recipe: Recipe, config: Any, s: Shapes, d: DraftSize, hw: Hardware, sharding: str = "ddp",
-               mixed: str | None = None) -> Need:
+               mixed: str | None = None, dense: bool | None = None) -> Need:
     """Training on one device, steady state (the optimizer state exists), N = max(train.token_budget, data.max_length).
 
     device = `optimizer_need`
@@ -273,6 +274,8 @@ def train_need(recipe: Recipe, config: Any, s: Shapes, d: DraftSize, hw: Hardwar
       running: batches of stored codes (`shard_bytes` + 10 per token: ids widened, attention mask; online,
              ids, loss and attention masks) read ahead, train.prefetch per loader worker (or by one thread),
              plus the one in use and one being padded; each loader worker is a process of its own besides
+    `dense`: the unroll's attention runs densely ([T, T] scores); None: where it does for want of a half
+    precision (fp32 on a GPU). The trainer passes True where CUDA's flash kernel refuses its shapes.
     """
     p = precision_of(recipe, hw, sharding, mixed)
     cfg = recipe.train
@@ -283,7 +286,7 @@ def train_need(recipe: Recipe, config: Any, s: Shapes, d: DraftSize, hw: Hardwar
     widths = sum(int(f["shape"][0]) for name, f in features.items() if name in (FUSED_LAYERS.name, LAST_HIDDEN.name))
     batch = n * (4 * widths + spec["topk"] * (4 + 8) + 8 + 4 + 8)
     project = projection_bytes(s, d, p, n, int(features[head_class(recipe.draft.kind).feature]["shape"][0]))
-    dense = hw.device == "cuda" and p.activation == 4 and steps > 1
+    dense = (hw.device == "cuda" and p.activation == 4 if dense is None else dense) and steps > 1
     device = dict(optimizer_need(d, p, sharding, hw.gpus, hw.device))
     device["teacher lm_head"] = s.vocab * s.hidden * (2 if hw.device == "cuda" and p.mixed == "bf16" else 4)
     device["batch"] = batch
@@ -305,18 +308,19 @@ def train_need(recipe: Recipe, config: Any, s: Shapes, d: DraftSize, hw: Hardwar
         device["cuda runtime"] = CUDA_RUNTIME
     notes = [f"{p.name}, {sharding}, {steps} unrolled step(s) of {n} tokens"
              + (", recomputed in the backward" if cfg.checkpoint_unroll else "")
-             + (", dense [T, T] attention (fp32 on a GPU)" if dense else "")]
+             + (", dense [T, T] attention" + (" (fp32 on a GPU)" if p.activation == 4 else "") if dense else "")]
     return Need("train", device, host, "train.token_budget", notes)
 
 
 def train_fits(recipe: Recipe, config: Any, s: Shapes, d: DraftSize, hw: Hardware, sharding: str, mixed: str | None,
-               limit: float) -> list[str]:
+               limit: float, dense: bool | None = None) -> list[str]:
     """What would make training fit in `limit` bytes per GPU, one line each, each at the recipe's own budget
     but the first: a smaller train.token_budget (with grad_accum raised to keep the tokens per step),
-    recomputing the unroll (train.checkpoint_unroll), and sharding the optimizer state over several GPUs."""
+    recomputing the unroll (train.checkpoint_unroll), and sharding the optimizer state over several GPUs;
+    where the attention runs densely, bf16 (where fp32 is why) or a shorter data.max_length."""
 
-    def total(changed: Recipe, how: str = sharding) -> float:
-        return train_need(changed, config, s, d, hw, how, mixed).device_total
+    def total(changed: Recipe, how: str = sharding, precision: str | None = mixed) -> float:
+        return train_need(changed, config, s, d, hw, how, precision, dense).device_total
 
     fits = []
     smaller = smaller_budget_that_fits(recipe, "train", total, limit)
@@ -337,7 +341,29 @@ def train_fits(recipe: Recipe, config: Any, s: Shapes, d: DraftSize, hw: Hardwar
                 fits.append(f"sharded over {hw.gpus} GPUs it fits ({sharded / GIB:.1f} GiB: accelerate launch "
                             f"--config_file recipes/accelerate/deepspeed_{other}.yaml)")
                 break
-    return fits
+    fp32 = precision_of(recipe, hw, sharding, mixed).activation == 4
+    return fits + _dense_fits(recipe, hw, total, limit, dense, fp32) if _unroll_steps(recipe) > 1 else fits
+
+
+def _dense_fits(recipe: Recipe, hw: Hardware, total: Callable[..., float], limit: float, dense: bool | None,
+                fp32: bool) -> list[str]:
+    """Where the dense attention's [T, T] scores are the trouble: bf16, whose fused kernel has none (where fp32
+    is the only reason for the dense path), else the longest data.max_length (halved) that fits."""
+    if hw.device != "cuda" or not (dense or (dense is None and fp32)):
+        return []
+    if dense is None:
+        half = total(with_setting(recipe, "train.mixed_precision", "bf16"), precision="bf16")
+        if half <= limit:
+            return [f"train.mixed_precision=bf16 fits ({half / GIB:.1f} GiB: CUDA's flash kernel runs it, "
+                    "no [T, T] scores)"]
+    length = recipe.data.max_length // 2
+    while length >= 256:
+        need = total(with_setting(recipe, "data.max_length", length))
+        if need <= limit:
+            return [f"data.max_length={length} fits ({need / GIB:.1f} GiB; the dense attention's scores grow "
+                    "with the square of the length)"]
+        length //= 2
+    return []
 
 
 def sharding_name(distributed_type: str, zero_stage: int = 2) -> str:
@@ -356,19 +382,23 @@ def sharding_of(accelerator: Any) -> str:
 
 
 def refuse_if_too_big(stage: str, recipe: Recipe, config: Any, memory: int, gpus: int, sharding: str = "ddp",
-                      mixed: str | None = None) -> None:
+                      mixed: str | None = None, dense_reason: str = "") -> None:
     """EyasError naming the setting and what fits when training's need exceeds `memory` by more than
     REFUSE_MARGIN (the model's measured error); the trainer calls it before it loads the target. `stage`:
-    "train", the one stage whose check this is (its model lives here)."""
+    "train", the one stage whose check this is (its model lives here). `dense_reason`: why the unroll's
+    attention would run densely on this GPU (`eyas.draft.ttt_attention.dense_fallback_reason`), "" if fused."""
     if stage != "train":
         raise ValueError(f"refuse_if_too_big checks training, not '{stage}'")
     hw = Hardware("cuda", int(memory), int(gpus), "this GPU")
     s, d = shapes_of(config), draft_size(recipe, config)
     limit = memory * REFUSE_MARGIN
-    found = advice(train_need(recipe, config, s, d, hw, sharding, mixed), recipe, hw, limit,
-                   lambda: train_fits(recipe, config, s, d, hw, sharding, mixed, limit))
+    dense = True if dense_reason else None
+    found = advice(train_need(recipe, config, s, d, hw, sharding, mixed, dense), recipe, hw, limit,
+                   lambda: train_fits(recipe, config, s, d, hw, sharding, mixed, limit, dense))
     if found:
-        raise EyasError(f"this recipe will not fit: {found} (the plan's model: `eyas plan RECIPE`, docs/stages.md)")
+        why = f"; the unroll's attention runs densely here ({dense_reason})" if dense_reason else ""
+        raise EyasError(f"this recipe will not fit: {found}{why} (the plan's model: `eyas plan RECIPE`, "
+                        "docs/stages.md)")
 
 
 # ----------------------------------------------------------------------------- optimizer steps

@@ -250,25 +250,25 @@ def _differing_files(key: bytes, checkpoint: Path, signed: list[dict]) -> list[s
     return [f"{path} ({how})" for path, how in sorted(problems.items())]
 
 
-def verify_before_load(accelerator: Any, checkpoint: Path, accepted: str = "") -> None:
+def verify_before_load(rank_zero: Any, checkpoint: Path, accepted: str = "") -> None:
     """Refuse (EyasError on every rank) a checkpoint whose training state eyas did not sign with this user's key.
 
-    Only the main process hashes and broadcasts its verdict: every rank hashing the same files would
+    Only the main process hashes (`rank_zero`: `eyas.train.rank_zero.RankZeroWork`, bounded by
+    train.dist_timeout_s) and every rank gets its verdict: every rank hashing the same files would
     multiply the reads by the ranks per node (a multi-GB DeepSpeed state hashes at disk speed, seconds
     per GB), and the main process holds the key that signed them, also where home folders are per node.
     """
-    verdict: list[str | None] = [None]
-    if accelerator.is_main_process:
+
+    def verdict() -> str | None:
         try:
-            verdict[0] = refusal(checkpoint, accepted)
-        except EyasError as exc:  # never leave the other ranks waiting in the broadcast
-            verdict[0] = str(exc)
-        if verdict[0] is None and accepted and _same_path(accepted, checkpoint):
+            found = refusal(checkpoint, accepted)
+        except EyasError as exc:  # a verdict like any other: every rank raises it
+            return str(exc)
+        if found is None and accepted and _same_path(accepted, checkpoint):
             print(f"eyas train: resuming from '{checkpoint}' without checking its digest (train.trust_checkpoint "
                   "accepts it); its next checkpoint is signed with your key", flush=True)
-    if accelerator.num_processes > 1:
-        from accelerate.utils import broadcast_object_list
+        return found
 
-        broadcast_object_list(verdict)
-    if verdict[0] is not None:
-        raise EyasError(verdict[0])
+    found = rank_zero.run("check of the checkpoint's digest", verdict)
+    if found is not None:
+        raise EyasError(found)

@@ -79,20 +79,38 @@ CUDA_FLASH = FlashKernel("cuda_flash", _cuda_forward, _cuda_backward)
 
 def flash_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[FlashKernel | None, str]:
     """The fused kernel for these inputs, or None and why not (the caller falls back to the dense path)."""
-    device = q.device.type
-    if device == "cpu":
-        if q.dtype in CPU_FLASH_DTYPES:
-            return CPU_FLASH, ""
-        return None, f"the CPU flash kernel does not take {q.dtype}"
-    if device == "cuda":
-        if q.dtype not in CUDA_FLASH_DTYPES:
-            return None, (f"CUDA's flash kernel takes bf16/fp16, not {q.dtype}: train in bf16 "
-                          "(train.mixed_precision=bf16), or the dense attention stores [B, H, T, T] scores per step")
+
+    def cuda_flash_runs() -> bool:
         params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True, True)
-        if not torch.backends.cuda.can_use_flash_attention(params, False):
+        return torch.backends.cuda.can_use_flash_attention(params, False)
+
+    return kernel_for(q.device.type, q.dtype, cuda_flash_runs)
+
+
+def kernel_for(device_type: str, dtype: torch.dtype, cuda_flash_runs: Callable[[], bool]) -> tuple[FlashKernel | None, str]:
+    """The decision of `flash_kernel`, apart from the tensors: `cuda_flash_runs()` is torch's own
+    check of the shapes on the GPU (head_dim, architecture, build), asked only where the rest allows."""
+    if device_type == "cpu":
+        if dtype in CPU_FLASH_DTYPES:
+            return CPU_FLASH, ""
+        return None, f"the CPU flash kernel does not take {dtype}"
+    if device_type == "cuda":
+        if dtype not in CUDA_FLASH_DTYPES:
+            return None, (f"CUDA's flash kernel takes bf16/fp16, not {dtype}: train in bf16 "
+                          "(train.mixed_precision=bf16), or the dense attention stores [B, H, T, T] scores per step")
+        if not cuda_flash_runs():
             return None, "flash attention does not run these shapes on this GPU (head_dim, architecture or build)"
         return CUDA_FLASH, ""
-    return None, f"no fused attention kernel on {device}"
+    return None, f"no fused attention kernel on {device_type}"
+
+
+def dense_fallback_reason(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> str:
+    """Why training-time-test attention would run densely on `device` for a draft's attention shape ("" if it
+    runs fused): asked once at the start of training with a few tokens of that shape, so that a run the dense
+    path cannot hold is refused then (train/memory.py, `refuse_if_too_big`) instead of hours later."""
+    q = torch.zeros(1, heads, 8, head_dim, device=device, dtype=dtype)
+    kv = torch.zeros(1, kv_heads, 8, head_dim, device=device, dtype=dtype)
+    return flash_kernel(q, kv, kv)[1]
 
 
 _warned: set[str] = set()
