@@ -300,7 +300,7 @@ class Trainer:
     """Holds everything one run needs; `run()` trains to the end, a signal, or `stop_at_step`.
 
     Built in named steps: the target's identity, the accelerator, the data source, the head,
-    the teacher, the loader and schedule, then accelerate's wrapping of the training unroll.
+    the teacher, the loader and optimizer, accelerate's wrapping of the training unroll, then the schedule.
     """
 
     def __init__(self, recipe: Recipe, target_model: Any = None) -> None:
@@ -338,11 +338,15 @@ class Trainer:
         self.token_feed = default_token_feed(self.kind) if self.cfg.ttt_token_feed == "auto" else self.cfg.ttt_token_feed
         self.weights = [self.cfg.ttt_decay ** k for k in range(self.train_steps)]
         self.loader = self.make_loader(self.source.train_reader, shuffle=True)
-        optimizer = self._build_schedule(head)
+        optimizer = self._build_optimizer(head)
         self.param_counts = count_parameters(head)  # before ZeRO-3 partitions the weights
         configure_deepspeed(self.accelerator, self.cfg, load_universal=self.processes_changed)
         self.model, self.optimizer = self.accelerator.prepare(
             TrainingUnroll(head.to(self.device), checkpoint_steps=self.cfg.checkpoint_unroll), optimizer)
+        # on the optimizer `prepare` returned: FSDP and ZeRO put their own (sharded) parameters in its groups
+        self.scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+            self.optimizer, num_warmup_steps=self.cfg.warmup_steps, num_training_steps=self.total_steps,
+            min_lr_rate=self.cfg.min_lr_ratio)
         self.state = TrainState()
         self.resumed_from: Path | None = None
         self.resume_changes: dict[str, tuple[Any, Any]] = {}
@@ -391,18 +395,14 @@ class Trainer:
         return Teacher(lm_head, self.source.d2t if head.d2t is not None else None, self.cfg.teacher_chunk,
                        torch.bfloat16 if bf16_cuda else torch.float32, self.device)
 
-    def _build_schedule(self, head: DraftHead) -> torch.optim.Optimizer:
-        """The optimizer and its warmup + cosine schedule over the run's optimizer steps."""
+    def _build_optimizer(self, head: DraftHead) -> torch.optim.Optimizer:
+        """The optimizer, and the run's optimizer steps its warmup + cosine schedule spans (built after `prepare`)."""
         batches = len(self.loader)
         if batches == 0:
             raise EyasError(f"the training data gives no batch to each of {self.accelerator.num_processes} process(es); "
                             "use more data or a smaller train.token_budget")
         self.total_steps = self.cfg.max_steps or max(1, math.ceil(self.cfg.epochs * batches / self.cfg.grad_accum))
-        optimizer = make_optimizer(head, self.cfg)
-        self.scheduler = get_cosine_with_min_lr_schedule_with_warmup(
-            optimizer, num_warmup_steps=self.cfg.warmup_steps, num_training_steps=self.total_steps,
-            min_lr_rate=self.cfg.min_lr_ratio)
-        return optimizer
+        return make_optimizer(head, self.cfg)
 
     # -- pieces
 
