@@ -54,12 +54,12 @@ from eyas.data.batches import budget_batches
 from eyas.data.prepare import load_prepared
 from eyas.data.vocab import VOCAB_FILE, build_vocab, count_tokens, load_vocab
 from eyas.draft.checkpoint import save_draft
+from eyas.draft.config import target_shapes
 from eyas.draft.head import DraftHead, count_parameters, init_layers_from_target
 from eyas.draft.registry import build_head, head_class, uses_draft_vocab
 from eyas.draft.ttt_attention import dense_fallback_reason
 from eyas.errors import EyasError
 from eyas.io import fresh_partial, publish_dir, sha256_file
-from eyas.memory import shapes_of
 from eyas.precision import mixed_precision_for
 from eyas.stage_cli import stage_main
 from eyas.targets import load_target, load_target_config, load_tokenizer, target_identity
@@ -368,9 +368,9 @@ class Trainer:
         """Why the unroll's attention would run densely on this GPU ("" where it runs fused, or has one step)."""
         if self.train_steps < 2:
             return ""
-        s = shapes_of(target_config)
+        s = target_shapes(target_config)  # the attention layout alone (shapes_of also counts the target's parameters)
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.accelerator.mixed_precision, torch.float32)
-        return dense_fallback_reason(self.device, dtype, s.heads, s.kv_heads, s.head_dim)
+        return dense_fallback_reason(self.device, dtype, s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"])
 
     def _build_head(self, target_config: Any, target_model: Any) -> tuple[DraftHead, torch.Tensor]:
         """A seeded new head with the target's embedding, lm_head and final norm copied in."""
