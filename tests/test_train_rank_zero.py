@@ -49,18 +49,21 @@ TWO_RANKS = textwrap.dedent('''
         process_index = int(os.environ["RANK"])
         is_main_process = process_index == 0
 
+    def say(*words):  # one write per line: both ranks share the launcher's unbuffered stdout
+        os.write(1, (" ".join(map(str, words)) + "\\n").encode())
+
     dist.init_process_group("gloo")
     work = RankZeroWork(Ranks(), timeout_s=float(sys.argv[1]))
-    print("value", Ranks.process_index, work.run("count", lambda: (time.sleep(1), 7)[1]), flush=True)
+    say("value", Ranks.process_index, work.run("count", lambda: (time.sleep(1), 7)[1]))
     try:
         work.run("draft's save", lambda: (_ for _ in ()).throw(OSError("disk full")))
     except (EyasError, OSError) as exc:
-        print("error", Ranks.process_index, type(exc).__name__, exc, flush=True)
+        say("error", Ranks.process_index, type(exc).__name__, exc)
     dist.barrier()
     try:
         work.run("publish", lambda: time.sleep(3 * float(sys.argv[1])))
     except EyasError as exc:
-        print("bounded", Ranks.process_index, exc, flush=True)
+        say("bounded", Ranks.process_index, exc)
         os._exit(3)
 ''')
 
@@ -70,11 +73,13 @@ TWO_RANKS = textwrap.dedent('''
 def test_two_ranks_share_the_value_the_error_and_the_bound(tmp_path):
     script = tmp_path / "two_ranks.py"
     script.write_text(TWO_RANKS)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script), "2"],
-                          capture_output=True, text=True, timeout=120)
+    # the bound is 8x the 1 s step that must pass it: two ranks time-sliced on one loaded core (a CI lane) start
+    # their waits up to seconds apart
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script), "8"],
+                          capture_output=True, text=True, timeout=180)
     out = proc.stdout + proc.stderr
     assert "value 0 7" in out and "value 1 7" in out  # the main process's result on both ranks
     assert "error 0 OSError disk full" in out  # the main process raises its own error ...
     assert "error 1 EyasError the main process failed in the draft's save" in out  # ... and rank 1 hears of it
-    assert "bounded 1 rank 1 stopped: the main process's publish did not finish within train.dist_timeout_s=2" in out
+    assert "bounded 1 rank 1 stopped: the main process's publish did not finish within train.dist_timeout_s=8" in out
     assert proc.returncode != 0

@@ -48,6 +48,8 @@ class RankZeroWork:
             except BaseException as exc:  # never leave the other ranks waiting for a verdict that is not coming
                 failure, outcome[1] = exc, f"{type(exc).__name__}: {exc}"
         self._share(what, outcome)
+        if outcome[1] is not None:
+            self._all_heard()
         if failure is not None:
             raise failure
         if outcome[1] is not None:
@@ -64,6 +66,15 @@ class RankZeroWork:
             if took > self.timeout_s / 2:
                 print(f"eyas train: the {what} took {took:.0f} s on the main process, more than half of "
                       f"{SETTING}={self.timeout_s:g}; on a slower day it stops the run: raise {SETTING}", flush=True)
+
+    def _all_heard(self) -> None:
+        """Every rank holds the main process's error before any rank raises it: the main process's exit ends the
+        launch (the launcher stops the other ranks), and a rank still reading the broadcast then would report a
+        broken connection instead of the cause."""
+        try:
+            dist.barrier(group=self._group)
+        except RuntimeError:  # a rank that already stopped: the error raised next is the one to report
+            pass
 
     def _share(self, what: str, outcome: list[Any]) -> None:
         try:
