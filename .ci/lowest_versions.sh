@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The floors run: the fast suite on the lowest version of every dependency pyproject.toml
-# declares (.ci/lowest.txt), so each floor is a tested version, not a guess. A virtual
-# environment over CI's own (torch, the editable eyas and the test tools come from there)
-# takes the pinned floors in front of the newer releases. About as long as the fast suite.
+# The floors run: the fast tests of the modules that reach a dependency, on the lowest version of
+# every dependency pyproject.toml declares (.ci/lowest.txt), so each floor is a tested version, not
+# a guess. A virtual environment over CI's own (torch, the editable eyas and the test tools come
+# from there) takes the pinned floors in front of the newer releases.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=$(mktemp -d)/floors
@@ -16,12 +16,16 @@ for line in pathlib.Path(".ci/lowest.txt").read_text().splitlines():
         assert md.version(name) == version, f"floors run: {name} is {md.version(name)}, not the floor {version}"
 print("floors run: every floor installed")
 PY
-# Left to the main run, as they reach no floored library or reach it only as the suite does: the
-# benchmarks' smoke runs (the same library calls through scripts, minutes more); the sampling-distribution
-# tests (thousands of decodes of a tiny model whose forward the eval tests kept here run once) and the
-# attention/loss kernel tests (torch alone, which the floors run does not move: `cpu` pins it); the wheel
-# build (pip's work, not a dependency's); gpu_check's bookkeeping (stubbed steps). About two minutes saved.
-not_floored=(tests/test_benchmarks_smoke.py tests/test_eval_exact.py tests/test_eval_exact_filters.py
-             tests/test_eval_exact_tree.py tests/test_eval_acceptance.py tests/test_ttt_attention.py
-             tests/test_train_ttt.py tests/test_train_losses.py tests/test_install.py tests/test_gpu_check.py)
-"$venv/bin/python" -m pytest -m "not slow" -q -p no:cacheprovider "${not_floored[@]/#/--ignore=}"
+# The floors reach eyas through a few modules each; these tests drive every one of them (the rest of the fast
+# suite runs the same library calls again, on tiny tensors, and stays with the main run):
+#   transformers: target loading and configs (targets, MoE and sliding-window shapes), chat templates (prepare),
+#                 the draft's export configs; accelerate, wandb, tensorboard, tqdm: the training loop and its
+#                 trackers; datasets: prepare's sources; safetensors, numpy: shards, their checks and the loader,
+#                 exports; pyyaml: recipes; filelock: the target cache; psutil: launch; rich, matplotlib: the eval
+#                 report and command line. gguf converts SmolLM2, which only slow tests load: like every slow test,
+#                 it runs on the newest versions alone.
+floored=(tests/test_config.py tests/test_data_prepare.py tests/test_data_shards.py tests/test_reliability_shards.py
+         tests/test_train_loader.py tests/test_train_loop.py tests/test_export_formats.py tests/test_moe_targets.py
+         tests/test_reliability_targets.py tests/test_eval_sliding.py tests/test_eval_report.py tests/test_eval_cli.py
+         tests/test_launch.py tests/test_stages.py)
+"$venv/bin/python" -m pytest -m "not slow" -q -p no:cacheprovider "${floored[@]}"

@@ -37,6 +37,8 @@ from pathlib import Path
 import torch
 from machine import machine, output_path, smoke_note, tiny_target, versions  # benchmarks/machine.py
 
+from eyas.cpus import available_cpus
+
 RESULTS = Path(__file__).parent / "results" / "bench_dump_backends.json"
 BACKENDS = ("transformers", "vllm")
 # The drafts compared: the vLLM parity tests' eagle3 settings (tests/test_vllm_parity.py), on this data.
@@ -155,7 +157,7 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=200, help="chitchat conversations read")
     parser.add_argument("--max-length", type=int, default=256, help="tokens per sample (longer ones are truncated)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="OMP threads of each dump process")
+    parser.add_argument("--threads", type=int, default=available_cpus(), help="OMP threads of each dump process")
     parser.add_argument("--keep", action="store_true", help="keep the temporary run folder")
     parser.add_argument("--smoke", action="store_true", help="seconds: a tiny target, one repeat; figures measure nothing")
     parser.add_argument("--out", help="results JSON (default benchmarks/results/bench_dump_backends.json)")

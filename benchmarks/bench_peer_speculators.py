@@ -105,7 +105,6 @@ import gc
 import json
 import logging
 import math
-import os
 import re
 import shutil
 import statistics
@@ -119,6 +118,8 @@ from pathlib import Path
 
 import torch
 from machine import machine, output_path, smoke_dir, smoke_note, tiny_run, versions  # benchmarks/machine.py
+
+from eyas.cpus import available_cpus
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "bench_peer_speculators.json"
@@ -752,7 +753,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer-ttt-decay", type=float, help="ttt_step_loss_decay (default: speculators' own, 1.0)")
     parser.add_argument("--peer-dtype", default="bfloat16", choices=("bfloat16", "float32"),
                         help="speculators' hidden_states_dtype: features and autocast")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--threads", type=int, default=available_cpus())
     parser.add_argument("--vllm-timeout", type=int, default=3600)
     parser.add_argument("--out", help="results JSON (default benchmarks/results/bench_peer_speculators.json, "
                         "bench_peer_speculators_<kind>.json for another kind; --smoke: a temp folder)")

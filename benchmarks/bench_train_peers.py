@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,8 @@ from pathlib import Path
 
 import torch
 from machine import machine, output_path, smoke_dir, smoke_note, tiny_target, versions  # benchmarks/machine.py
+
+from eyas.cpus import available_cpus
 
 RESULTS = Path(__file__).parent / "results" / "bench_train_peers.json"
 PEER_PACKAGE = "specforge==0.2.0"
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--ttt", type=int, default=7)
     parser.add_argument("--draft-vocab", type=int, default=32000)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--threads", type=int, default=available_cpus())
     parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument("--smoke", action="store_true", help="seconds: tiny target, 64 tokens, TTT 3, one timed step")
     parser.add_argument("--out", help="results JSON (default benchmarks/results/bench_train_peers.json; --smoke: a temp folder)")

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from eyas.config import Recipe, check_against_target, save_resolved
+from eyas.cpus import threads_per_process
 from eyas.data.batches import budget_batches
 from eyas.data.dump_vllm import VllmCapture, vllm_version
 from eyas.data.prepare import load_prepared, prepared_info, tokenizer_identity
@@ -426,7 +427,7 @@ def dump(recipe: Recipe, model: Any = None, tokenizer: Any = None, reverify: boo
         raise EyasError(f"the prepared data in '{run_dir / 'prepared'}' was tokenised with another tokenizer or chat "
                         "template than the target's; rerun `eyas prepare RECIPE`")
     if device.type == "cpu" and world > 1 and co_launched:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+        torch.set_num_threads(threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     spec = feature_spec(recipe, config)
     identity = target_identity(config, tokenizer)
     hidden = int(config.hidden_size)

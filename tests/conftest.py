@@ -17,7 +17,42 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # launch, use a key of their own instead of creating or reading the user's.
 os.environ.setdefault("EYAS_CHECKPOINT_KEY_FILE", os.path.join(os.environ.get("TMPDIR", "/tmp"), f"eyas-test-key-{os.getpid()}"))
 
+
+def _pin_xdist_worker() -> None:
+    """Under pytest-xdist (the README's `pytest -n auto`), each worker runs on one CPU of its own.
+
+    Its processes (and the subprocesses and vLLM engines its tests start) count one CPU (eyas.cpus) and start
+    one compute thread, so the workers never wait on each other's OpenMP threads: unpinned, two processes of
+    two threads each on 2 cores ran at 62% of the machine's throughput, pinned at 98% (docs/stages.md, "The
+    suite's time"). Done before torch is imported, so its thread pool is sized by the pinned mask. More
+    workers than CPUs are left to the operating system."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if not worker or int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > len(cpus):
+        return
+    cpu = cpus[int(worker.removeprefix("gw")) % len(cpus)]
+    os.sched_setaffinity(0, {cpu})
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)  # vLLM binds its engine's threads to this CPU too
+
+
+_pin_xdist_worker()
+
 from fixtures import build_tiny_target  # noqa: E402
+
+# Test modules whose tests take longest, started first: with `-n auto --dist loadfile` whole modules go to the
+# workers in this order (pyproject's addopts keep xdist from reordering them by test count), so the other
+# worker runs the many short modules beside them instead of waiting at the end. The vLLM parity module
+# prepares through `vllm serve`, dumps, trains and serves (about 6 minutes on a 2-core AVX2-only EPYC); then
+# every module with a test marked slow (the real SmolLM2 target) or a T>0 distribution check.
+LONGEST_FIRST = ("test_vllm_parity.py", "test_eval_batched.py", "test_eval_slow.py", "test_data_e2e.py",
+                 "test_data_dump.py", "test_dspark.py", "test_eval_sampled_targets.py", "test_eval_exact.py",
+                 "test_eval_exact_filters.py", "test_eval_exact_tree.py", "test_eval_acceptance.py",
+                 "test_eval_greedy.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each module's own order kept
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,8 @@ layers, attention sinks, 4 experts) over 16 token ids, with a 12-token context s
 verify position lies past the window. The first two tokens of SAMPLES decodes are tallied; their
 empirical joint must be as close to the exact joint (the target's own softmax, two forwards deep) as
 the same number of direct samples from that joint are on average, within a factor (TV_FACTOR). A
-decoder that accepts every drafted token fails the same check (the test has the power to see it).
+decoder that accepts every drafted token fails the same check (the test has the power to see it), even
+on a quarter of the decodes (its bias stays, the noise floor only doubles).
 """
 
 from __future__ import annotations
@@ -64,13 +65,13 @@ def _expected_tv(joint: torch.Tensor, samples: int) -> float:
     return sum(tvs) / len(tvs)
 
 
-def _decoded_tv(target, draft, shape: str, joint: torch.Tensor) -> float:
+def _decoded_tv(target, draft, shape: str, joint: torch.Tensor, samples: int = SAMPLES) -> float:
     decoder = SpeculativeDecoder(target, draft, parse_shape(shape), PARAMS, [], seed=0)
     counts = torch.zeros(VOCAB, VOCAB)
-    for _ in range(SAMPLES):
+    for _ in range(samples):
         a, b = decoder.generate(CONTEXT, 2).tokens[:2]
         counts[a, b] += 1
-    return 0.5 * float((counts / SAMPLES - joint).abs().sum())
+    return 0.5 * float((counts / samples - joint).abs().sum())
 
 
 def _case(family: str):
@@ -98,8 +99,9 @@ def _accept_drafted_path(children, tokens, target_probs, child_q, generator):
 
 def test_a_decoder_that_keeps_every_draft_token_fails_the_check(monkeypatch):
     target, joint, draft = _case("gpt_oss")
-    floor = _expected_tv(joint, SAMPLES)
+    samples = SAMPLES // 4
+    floor = _expected_tv(joint, samples)
     monkeypatch.setattr(decoder_mod, "verify_sampled", _accept_drafted_path)
-    tv = _decoded_tv(target, draft, "chain:3", joint)
+    tv = _decoded_tv(target, draft, "chain:3", joint, samples)
     print(f"accepting every drafted token: TV {tv:.4f}, {tv / floor:.2f} x the floor {floor:.4f}")
     assert tv > TV_FACTOR * floor, f"a biased decoder passed (TV {tv:.4f})"

@@ -374,3 +374,25 @@ def test_target_layer_is_the_same_from_the_files_and_from_a_loaded_model(tiny_ll
     for index, tensors in (from_files, from_model):
         assert index == last and tensors.keys() == layer.keys()
         assert all(torch.equal(tensors[k], layer[k]) for k in layer)
+
+
+def test_a_run_pinned_to_some_cpus_trains_with_a_thread_for_each_of_them(tmp_path):
+    """A SLURM task's cpuset, a container or `taskset` (CI pins each test lane to one core) limits where a process
+    runs; the trainer counts those CPUs, not the machine's, so it starts no threads that would spin against each
+    other on one core (eyas.cpus)."""
+    import os
+
+    from eyas.train.loop import make_accelerator
+
+    allowed, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    recipe = load_recipe(None, [f"run.output_dir={tmp_path}"])
+    try:
+        os.sched_setaffinity(0, {min(allowed)})
+        make_accelerator(recipe, find_unused=False)
+        assert torch.get_num_threads() == 1
+        os.sched_setaffinity(0, allowed)
+        make_accelerator(recipe, find_unused=False)
+        assert torch.get_num_threads() == len(allowed)
+    finally:
+        os.sched_setaffinity(0, allowed)
+        torch.set_num_threads(threads)

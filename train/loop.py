@@ -50,6 +50,7 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from eyas import stages
 from eyas.config import Recipe, check_against_target, parse_loss_mix, save_resolved
+from eyas.cpus import threads_per_process
 from eyas.data.batches import budget_batches
 from eyas.data.prepare import load_prepared
 from eyas.data.vocab import VOCAB_FILE, build_vocab, count_tokens, load_vocab
@@ -100,8 +101,7 @@ def make_accelerator(recipe: Recipe, find_unused: bool) -> Accelerator:
         kwargs_handlers=handlers,
     )
     if accelerator.device.type == "cpu":  # ranks sharing a CPU split its cores instead of oversubscribing
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
+        torch.set_num_threads(threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))))
     return accelerator
 
 
