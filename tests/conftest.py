@@ -23,8 +23,8 @@ def _pin_xdist_worker() -> None:
 
     Its processes (and the subprocesses and vLLM engines its tests start) count one CPU (eyas.cpus) and start
     one compute thread, so the workers never wait on each other's OpenMP threads: unpinned, two processes of
-    two threads each on 2 cores ran at 62% of the machine's throughput, pinned at 98% (docs/stages.md, "The
-    suite's time"). Done before torch is imported, so its thread pool is sized by the pinned mask. A lone
+    two threads each on 2 cores ran at 62% of the machine's throughput, pinned at 98% (docs/stages.md, "Tests").
+    Done before torch is imported, so its thread pool is sized by the pinned mask. A lone
     worker keeps every CPU; more workers than CPUs are left to the operating system."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
