@@ -13,12 +13,17 @@ from __future__ import annotations
 import os
 
 
-def available_cpus() -> int:
-    """The CPUs in this process's affinity mask (all of them where the platform has no mask)."""
+def allowed_cpus() -> list[int]:
+    """The ids of the CPUs in this process's affinity mask, ascending (all of them where the platform has no mask)."""
     try:
-        return len(os.sched_getaffinity(0))
+        return sorted(os.sched_getaffinity(0))
     except AttributeError:  # macOS, Windows
-        return os.cpu_count() or 1
+        return list(range(os.cpu_count() or 1))
+
+
+def available_cpus() -> int:
+    """How many CPUs this process may run on."""
+    return len(allowed_cpus())
 
 
 def threads_per_process(processes: int = 1) -> int:

@@ -26,8 +26,10 @@ def _pin_xdist_worker() -> None:
     two threads each on 2 cores ran at 62% of the machine's throughput, pinned at 98% (docs/stages.md, "Tests").
     Done before torch is imported, so its thread pool is sized by the pinned mask. A lone
     worker keeps every CPU; more workers than CPUs are left to the operating system."""
+    from eyas.cpus import allowed_cpus  # os alone: torch is not imported yet
+
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    cpus = allowed_cpus() if hasattr(os, "sched_setaffinity") else []
     if not worker or not 2 <= int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) <= len(cpus):
         return
     cpu = cpus[int(worker.removeprefix("gw")) % len(cpus)]

@@ -13,6 +13,7 @@ over a gloo group of their own, with train.dist_timeout_s as its timeout, so tha
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -48,13 +49,12 @@ class RankZeroWork:
             except BaseException as exc:  # never leave the other ranks waiting for a verdict that is not coming
                 failure, outcome[1] = exc, f"{type(exc).__name__}: {exc}"
         self._share(what, outcome)
-        if outcome[1] is not None:
-            self._all_heard()
+        if outcome[1] is None:
+            return outcome[0]
+        self._all_heard()
         if failure is not None:
             raise failure
-        if outcome[1] is not None:
-            raise EyasError(f"the main process failed in the {what} (its own error says more): {outcome[1]}")
-        return outcome[0]
+        raise EyasError(f"the main process failed in the {what} (its own error says more): {outcome[1]}")
 
     def _timed(self, what: str, fn: Callable[[], T]) -> T:
         start = time.monotonic()
@@ -71,10 +71,9 @@ class RankZeroWork:
         """Every rank holds the main process's error before any rank raises it: the main process's exit ends the
         launch (the launcher stops the other ranks), and a rank still reading the broadcast then would report a
         broken connection instead of the cause."""
-        try:
+        # a rank that already stopped makes the barrier fail: the error raised next is still the one to report
+        with contextlib.suppress(RuntimeError):
             dist.barrier(group=self._group)
-        except RuntimeError:  # a rank that already stopped: the error raised next is the one to report
-            pass
 
     def _share(self, what: str, outcome: list[Any]) -> None:
         try:
