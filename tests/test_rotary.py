@@ -56,3 +56,21 @@ def test_llama3_scaling_is_not_plain_rope():
     assert not torch.equal(LlamaRotaryEmbedding(scaled).inv_freq, LlamaRotaryEmbedding(plain).inv_freq)
     head = build_head(draft_cfg("eagle3"), scaled)
     assert not torch.equal(head.rotary_emb.inv_freq, LlamaRotaryEmbedding(plain).inv_freq)
+
+
+@pytest.mark.parametrize("cast", ["bfloat16", "half"])
+def test_a_head_cast_to_low_precision_keeps_fp32_frequencies(cast):
+    """DeepSpeed's bf16/fp16 casts the whole module (`module.bfloat16()`), buffers included: the frequencies
+    stay the target's fp32 ones, so the angles at long positions are those the engines serve with."""
+    config, rotary_class = target_config("llama3.1")
+    reference = rotary_class(config)
+    head = getattr(build_head(draft_cfg("eagle3"), config), cast)()
+    assert head.fc.weight.dtype != torch.float32  # the cast reached the weights
+    assert head.rotary_emb.inv_freq.dtype == torch.float32
+    assert torch.equal(head.rotary_emb.inv_freq, reference.inv_freq)
+    positions = torch.tensor([[8191, 120000]])
+    x = torch.zeros(1, 2, 128)
+    assert torch.equal(head.rotary_emb(x, positions)[0], reference(x, positions)[0])
+    # what a plain cast would have done: the angles at position 120000 off by radians
+    plain = rotary_class(config).bfloat16()
+    assert not torch.equal(plain(x, positions)[0], reference(x, positions)[0])

@@ -313,8 +313,13 @@ def _launch_zero2(recipe: Path, *overrides: str) -> subprocess.CompletedProcess:
 @pytest.mark.cluster
 def test_deepspeed_two_processes_resume_a_signed_state_and_refuse_a_crafted_one(workspace, tmp_path):
     """DeepSpeed unpickles its checkpoint without restrictions on every rank: a crafted model-states
-    file is refused on both ranks before DeepSpeed opens it, while a signed state resumes."""
+    file is refused on both ranks before DeepSpeed opens it, while a signed state resumes.
+
+    In bf16, as a GPU runs it: DeepSpeed casts the whole module and keeps fp32 master weights in its
+    optimizer; the draft is saved from those (fp32, equal to DeepSpeed's own reconstruction from the
+    saved optimizer state) with the target's exact frozen weights, and the resume continues from them."""
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     run = new_run(workspace, "zero2")
     recipe = tmp_path / "recipe.yaml"
@@ -322,13 +327,26 @@ def test_deepspeed_two_processes_resume_a_signed_state_and_refuse_a_crafted_one(
         "target": {"path": str(workspace["target"])}, "run": {"output_dir": str(workspace["root"]), "name": "zero2"},
         "dump": {"draft_vocab_size": 128},
         "train": {"token_budget": 400, "ttt_steps": 3, "save_every": 0, "eval_every": 0, "eval_batches": 2,
-                  "warmup_steps": 1, "mixed_precision": "fp32"}}))  # JSON is YAML
+                  "warmup_steps": 1, "mixed_precision": "bf16"}}))  # JSON is YAML
     for steps in (2, 3):  # the second launch resumes the signed state of the first (both ranks agree)
         done = _launch_zero2(recipe, f"train.max_steps={steps}")
         assert done.returncode == 0, done.stderr[-3000:]
-    assert "resumed from" in done.stdout + done.stderr
+    assert "resumed from" in done.stdout + done.stderr and "mixed precision bf16" in done.stdout + done.stderr
     checkpoint = run / "checkpoints" / "step_00000003"
     assert trust.refusal(checkpoint) is None
+
+    saved = load_file(str(checkpoint / "model.safetensors"))
+    masters = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint / "state"), tag="pytorch_model")
+    floating = {name: t for name, t in saved.items() if t.is_floating_point()}
+    assert floating and {t.dtype for t in floating.values()} == {torch.float32}
+    config = json.loads((checkpoint / "config.json").read_text())
+    frozen = {"embed_tokens.weight"} | (set() if config["train_lm_head"] else {"lm_head.weight"})
+    assert "fc.weight" in floating
+    for name in set(floating) - frozen:  # the optimizer's fp32 weights, not the module's bf16 rounding of them
+        assert torch.equal(floating[name], masters[f"head.{name}"]), name
+    assert not torch.equal(floating["fc.weight"], floating["fc.weight"].bfloat16().float())
+    target = load_file(str(next(Path(workspace["target"]).glob("*.safetensors"))))
+    assert torch.equal(floating["embed_tokens.weight"], target["model.embed_tokens.weight"].float())  # frozen, exact
 
     marker = tmp_path / "code-ran"
     crafted = checkpoint / "state" / "pytorch_model" / "mp_rank_00_model_states.pt"

@@ -134,6 +134,43 @@ def configure_deepspeed(accelerator: Any, train_cfg: Any, load_universal: bool =
         config["gradient_clipping"] = float(train_cfg.max_grad_norm)
 
 
+def module_cast(accelerator: Any) -> bool:
+    """Whether the trained module itself is cast to a low precision: DeepSpeed's bf16/fp16 cast every parameter
+    and buffer and keep fp32 master weights in the optimizer; accelerate's autocast (DDP, FSDP) keeps the
+    module in fp32 and casts per op."""
+    return getattr(accelerator.state, "deepspeed_plugin", None) is not None and accelerator.mixed_precision in ("bf16", "fp16")
+
+
+def frozen_originals(accelerator: Any, head: DraftHead) -> dict[str, torch.Tensor]:
+    """The frozen tensors (the target's embedding, lm_head, norm copies) as fp32 CPU copies, kept by the main
+    process where the module is about to be cast (`module_cast`): no optimizer keeps an fp32 copy of them, and
+    the draft is saved with the target's exact weights. Empty elsewhere (the module keeps them as they are)."""
+    if not (module_cast(accelerator) and accelerator.is_main_process):
+        return {}
+    return {f"head.{name}": p.detach().to("cpu", copy=True) for name, p in head.named_parameters() if not p.requires_grad}
+
+
+def saved_weights(accelerator: Any, model: Any, frozen: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """The trained module's weights as a checkpoint saves them: accelerate's state dict (gathered under ZeRO-3;
+    None on the other ranks there), and under `module_cast` the optimizer's fp32 master weights in place of the
+    module's rounded copies, the frozen ones from `frozen`, so the saved draft (and its export) is fp32 as
+    with DDP. Every rank calls it: gathering a master weight is a collective."""
+    state = accelerator.get_state_dict(model)
+    if not module_cast(accelerator):
+        return state
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    masters = {}
+    for name, param in accelerator.unwrap_model(model).named_parameters():  # the same order on every rank
+        master = safe_get_full_fp32_param(param) if param.requires_grad else None
+        if master is not None:
+            masters[name] = master.to("cpu")
+    if state is None:
+        return None
+    return {name: masters.get(name, frozen.get(name, tensor.float() if tensor.is_floating_point() else tensor))
+            for name, tensor in state.items()}
+
+
 def no_decay(name: str, param: torch.nn.Parameter) -> bool:
     """Norm weights and biases (1-D parameters) take no weight decay, as in every LM trainer."""
     return param.ndim < 2 or name.endswith(".bias")
@@ -341,6 +378,7 @@ class Trainer:
         optimizer = self._build_optimizer(head)
         self.param_counts = count_parameters(head)  # before ZeRO-3 partitions the weights
         configure_deepspeed(self.accelerator, self.cfg, load_universal=self.processes_changed)
+        self.frozen_fp32 = frozen_originals(self.accelerator, head)  # before DeepSpeed's cast
         self.model, self.optimizer = self.accelerator.prepare(
             TrainingUnroll(head.to(self.device), checkpoint_steps=self.cfg.checkpoint_unroll), optimizer)
         # on the optimizer `prepare` returned: FSDP and ZeRO put their own (sharded) parameters in its groups
@@ -582,7 +620,7 @@ class Trainer:
         acc = self.accelerator
         final = self.ckpt_root / name
         self.rank_zero.run("checkpoint's fresh directory", lambda: fresh_partial(final))
-        state_dict = head_state(acc.get_state_dict(self.model))
+        state_dict = head_state(saved_weights(acc, self.model, self.frozen_fp32))
         meta = {"step": self.state.step, "eval": self.state.last_eval, "run": self.recipe.run.name,
                 "tokens": self.state.tokens, "train_steps": self.train_steps, "ttt_steps": self.cfg.ttt_steps}
         if not best_only:

@@ -39,8 +39,28 @@ def mlp(cfg: HeadConfig) -> nn.Module:
     return LlamaMLP(layer_config(cfg))
 
 
+class Fp32Rotary(LlamaRotaryEmbedding):
+    """Llama's rotary embedding with its frequencies kept in fp32 when the module is cast.
+
+    DeepSpeed's bf16 and fp16 cast the whole module, buffers included (`module.bfloat16()`); bf16 keeps 8
+    bits of mantissa, so the angles at position p drift from the fp32 ones the engines serve with by up to
+    p * 2^-9 radians (about 1 radian by position 500). The cast is undone for the two frequency buffers.
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__(config)
+        self._fp32_inv_freq = self.inv_freq.detach().clone()  # a plain attribute: no cast reaches it
+
+    def _apply(self, fn, recurse=True):  # every .to/.bfloat16/.half/.cuda goes through here
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != torch.float32:
+            self.inv_freq = self._fp32_inv_freq.to(self.inv_freq.device)
+            self.original_inv_freq = self.inv_freq.clone()
+        return self
+
+
 def rotary_embedding(cfg: HeadConfig) -> nn.Module:
-    return LlamaRotaryEmbedding(layer_config(cfg))
+    return Fp32Rotary(layer_config(cfg))
 
 
 class TTTCache:
