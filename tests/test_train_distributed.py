@@ -213,12 +213,15 @@ def test_resume_on_another_number_of_processes(workspace, one_process, backend, 
 
 
 SLOW_PUBLISH = """
-import sys, time
+import os, signal, sys, time
 import eyas.train.loop as loop
 
 publish = loop.publish_dir
 
 def slow_publish(partial, final):  # an artificial slow filesystem under the run directory
+    # torchrun stops rank 0 with SIGTERM once rank 1 has failed; the trainer's handler would only note it
+    # and torchrun would wait its 30 s grace before a SIGKILL: this stand-in for a stuck write dies at once
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
     time.sleep(600)
     return publish(partial, final)
 
