@@ -167,8 +167,17 @@ def saved_weights(accelerator: Any, model: Any, frozen: dict[str, torch.Tensor])
             masters[name] = master.to("cpu")
     if state is None:
         return None
-    return {name: masters.get(name, frozen.get(name, tensor.float() if tensor.is_floating_point() else tensor))
-            for name, tensor in state.items()}
+    return {name: _fp32_copy(name, tensor, masters, frozen) for name, tensor in state.items()}
+
+
+def _fp32_copy(name: str, tensor: torch.Tensor, masters: dict, frozen: dict) -> torch.Tensor:
+    """One saved tensor under `module_cast`: its master weight, else its kept original, else the module's cast
+    back (the fallbacks are only computed where needed: a frozen 8B embedding is 2 GiB in fp32)."""
+    if name in masters:
+        return masters[name]
+    if name in frozen:
+        return frozen[name]
+    return tensor.float() if tensor.is_floating_point() else tensor
 
 
 def no_decay(name: str, param: torch.nn.Parameter) -> bool:
