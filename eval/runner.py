@@ -92,8 +92,13 @@ def _clock(device) -> float:
 
 def evaluate(target, tokenizer, drafts: list, shapes: list[Shape], prompts: list[EncodedPrompt],
              params: SamplingParams, max_new_tokens: int, seed: int = 0, baseline: bool = True,
-             progress: bool = True, batch_size: int = 1, baseline_target=None) -> dict:
+             progress: bool = True, batch_size: int = 1, baseline_target=None,
+             references: list[list[int]] | None = None) -> dict:
     """Decode every prompt with every draft x shape (and the target alone); return summaries.
+
+    `references`: the target's greedy output for each prompt where the caller has decoded it already
+    (several evaluations of the same prompts): each T=0 decode is checked against it instead of
+    against a baseline decoded here, so `baseline` may be False and the target alone is not decoded again.
 
     `baseline_target`: the same target in the precision the target alone is fastest in, where that is
     not `target`'s (eval.target_precision): the baseline is timed in it, and the `=greedy` reference
@@ -101,9 +106,11 @@ def evaluate(target, tokenizer, drafts: list, shapes: list[Shape], prompts: list
     eos = stop_token_ids(target, tokenizer)
     configs = [Config(d, s, SpeculativeDecoder(target, d, s, params, eos, seed=seed)) for d in drafts for s in shapes]
     timed = baseline_target if baseline_target is not None else target
+    if references is not None and len(references) != len(prompts):
+        raise ValueError(f"{len(references)} references for {len(prompts)} prompts")
     if batch_size > 1:
         return _evaluate_batched(target, timed, configs, prompts, params, max_new_tokens, eos, seed, baseline,
-                                 progress, batch_size)
+                                 progress, batch_size, references)
     base_all, base_cat, base_turn = BaselineTally(), {}, {}
     if prompts:  # untimed warm-up of every path (first-call allocations, kernel selection)
         target_decode(timed, prompts[0].ids, min(8, max_new_tokens), params, eos, seed)
@@ -113,7 +120,7 @@ def evaluate(target, tokenizer, drafts: list, shapes: list[Shape], prompts: list
     bar = tqdm(total=total, desc="eval", unit="decode", disable=not progress, dynamic_ncols=True)
     for index, item in enumerate(prompts):
         category = item.prompt.category
-        reference = None
+        reference = references[index] if references is not None else None
         if baseline:
             start = _clock(timed.device)
             alone = target_decode(timed, item.ids, max_new_tokens, params, eos, seed + index)
@@ -122,7 +129,8 @@ def evaluate(target, tokenizer, drafts: list, shapes: list[Shape], prompts: list
             base_cat.setdefault(category, BaselineTally()).add(len(alone), seconds)
             base_turn.setdefault(item.turn, BaselineTally()).add(len(alone), seconds)
             same = timed is target or not params.greedy  # else the reference in the decodes' precision
-            reference = alone if same else target_decode(target, item.ids, max_new_tokens, params, eos, seed + index)
+            if reference is None:
+                reference = alone if same else target_decode(target, item.ids, max_new_tokens, params, eos, seed + index)
             bar.update(1)
         for config in configs:
             result = config.decoder.generate(item.ids, max_new_tokens)
@@ -147,7 +155,7 @@ def _summaries(configs: list[Config], baseline: bool, base_all: BaselineTally, b
 
 def _evaluate_batched(target, timed, configs: list[Config], prompts: list[EncodedPrompt], params: SamplingParams,
                       max_new_tokens: int, eos: list[int], seed: int, baseline: bool, progress: bool,
-                      batch_size: int) -> dict:
+                      batch_size: int, given: list[list[int]] | None) -> dict:
     """`evaluate` over batches of `batch_size` prompts (see the module docstring)."""
     for config in configs:
         config.batch_note = batch_unsupported(config.draft)
@@ -164,13 +172,15 @@ def _evaluate_batched(target, timed, configs: list[Config], prompts: list[Encode
                disable=not progress, dynamic_ncols=True)
     for batch in batches:
         rows = [prompts[i].ids for i in batch]
-        references = [None] * len(batch)
+        references = [given[i] for i in batch] if given is not None else [None] * len(batch)
         if baseline:
             start = _clock(timed.device)
             alone = target_decode_batch(timed, rows, max_new_tokens, params, eos, seed + batch[0])
             share = (_clock(timed.device) - start) / len(batch)
             same = timed is target or not params.greedy  # else the references in the decodes' precision
-            references = alone if same else target_decode_batch(target, rows, max_new_tokens, params, eos, seed + batch[0])
+            if given is None:
+                references = alone if same else target_decode_batch(target, rows, max_new_tokens, params, eos,
+                                                                     seed + batch[0])
             for i, tokens in zip(batch, alone):
                 item = prompts[i]
                 for tally in (base_all, base_cat.setdefault(item.prompt.category, BaselineTally()),

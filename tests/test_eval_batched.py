@@ -7,8 +7,9 @@
 * The batched drafts (eagle, eagle3, peagle, dflash, dspark, mtp) give the same logits per row as the
   one-at-a-time drafts through start, three depths of ragged tree expansions and a ragged commit.
 * T>0: row b with seed s reproduces `SpeculativeDecoder(seed=s)` on that prompt alone, and
-  over 40,000 rows of one context the second and third tokens follow the target's own
-  distribution (TV < 0.01, rows accepting 0, 1 or 2 draft tokens in the same verify; slow).
+  over 16,000 rows of one context the second and third tokens follow the target's own
+  distribution (TV within 1.6x of what as many direct draws give on average, as
+  `test_eval_sampled_targets.py` checks; rows accepting 0, 1 or 2 draft tokens in the same verify; slow).
 * `evaluate(batch_size=k)` gives the same acceptance figures as one at a time, a `prompts_per_s`,
   and runs an unbatched draft x shape one at a time with the reason.
 """
@@ -20,7 +21,7 @@ import itertools
 import pytest
 import torch
 from fixtures import build_tiny_target
-from test_eval_exact import CONTEXT, VOCAB, tiny_vocab_target, tv
+from test_eval_exact import CONTEXT, VOCAB, tiny_vocab_target, tv, tv_noise
 from test_eval_heads import make_checkpoint
 
 from eyas.config import load_recipe
@@ -198,9 +199,14 @@ def test_batched_head_drafts_on_trees_and_mtp_decode_exactly(tmp_path, tiny_qwen
     assert_rows_match_one_at_a_time(target, draft, spec, SamplingParams(1.0), eos, cases, 20)
 
 
-@pytest.mark.slow  # about a minute on one core: 40,000 rows
+@pytest.mark.slow  # about 35 s on one core of a 2-core AVX2-only EPYC: 16,000 rows
 def test_batched_sampling_follows_the_target_distribution_per_row(tmp_path):
-    """40,000 rows of one context: tokens 2 and 3 (drafted, verified with ragged acceptance) ~ the target's joint."""
+    """16,000 rows of one context: tokens 2 and 3 (drafted, verified with ragged acceptance) ~ the target's joint.
+
+    The bound is the largest TV of 1,000 plain samplings of as many draws (test_eval_exact.tv_noise); until
+    2026-12-06 it was TV < 0.01 over 40,000 rows, which cost 89 s. Measured: 1.09x the mean plain TV honest, 3.65x
+    with a verifier drawing its uniforms x0.7. That every row is its own seeded one-at-a-time decode is checked
+    exactly above."""
     target = tiny_vocab_target(tmp_path / "tiny_vocab")
     draft = LMDraft(truncated_target(target, 2), "truncated:2")
     params = SamplingParams(1.0)
@@ -213,20 +219,16 @@ def test_batched_sampling_follows_the_target_distribution_per_row(tmp_path):
     third = process_logits(logits[:, n + 1], params).view(VOCAB, VOCAB, VOCAB)             # [a, b, t3]
     exact = (first[:, None, None] * second[:, :, None] * third).sum(0)                      # joint of (t2, t3)
     decoder = BatchedDecoder(target, draft, parse_shape("chain:2"), params, eos_token_ids=[])
-    counts, histogram, rows = torch.zeros(VOCAB * VOCAB), [0, 0, 0], 40_000
+    counts, histogram, rows = torch.zeros(VOCAB * VOCAB), [0, 0, 0], 16_000
     for offset in range(0, rows, 4_000):
         for result in decoder.generate([CONTEXT] * 4_000, 3, seeds=list(range(offset, offset + 4_000))):
             counts[result.tokens[1] * VOCAB + result.tokens[2]] += 1
             histogram[result.accepted[0]] += 1
-    spec_tv = tv(counts.view(VOCAB, VOCAB) / rows, exact)
-    generator = torch.Generator().manual_seed(3)
-    t1 = torch.multinomial(first, rows, replacement=True, generator=generator)
-    t2 = torch.multinomial(second[t1], 1, generator=generator).flatten()
-    t3 = torch.multinomial(third[t1, t2], 1, generator=generator).flatten()
-    plain = torch.zeros(VOCAB * VOCAB).index_add_(0, t2 * VOCAB + t3, torch.ones(rows)).view(VOCAB, VOCAB) / rows
-    print(f"TV(batched, exact)={spec_tv:.4f} TV(plain, exact)={tv(plain, exact):.4f} accepted 0/1/2: {histogram}")
-    assert spec_tv < 0.01 and tv(plain, exact) < 0.01
-    assert min(histogram) > 1_000  # every acceptance count occurred in the same batches
+    spec_tv, (floor, bound) = tv(counts.view(VOCAB, VOCAB) / rows, exact), tv_noise(exact, rows)
+    print(f"TV(batched, exact)={spec_tv:.4f}, {spec_tv / floor:.2f} x the floor {floor:.4f} (bound {bound:.4f}); "
+          f"accepted 0/1/2: {histogram}")
+    assert spec_tv <= bound
+    assert min(histogram) > 400  # every acceptance count occurred in the same batches
 
 
 def test_evaluate_batched_matches_one_at_a_time(tiny_llama_dir):
@@ -245,6 +247,28 @@ def test_evaluate_batched_matches_one_at_a_time(tiny_llama_dir):
         assert b["per_category"]["cat"]["tokens"] == a["per_category"]["cat"]["tokens"]
     assert [c["batched"] for c in many["configs"]] == [True, True]
     assert many["baseline"]["overall"]["tokens"] == one["baseline"]["overall"]["tokens"]
+
+
+def test_evaluate_checks_decodes_against_references_given_once(tiny_llama_dir):
+    """`references` (the target's greedy outputs, decoded once by the caller) stand in for the baseline's: the
+    same figures without decoding the target alone again, and a wrong reference is counted as a mismatch."""
+    target, tokenizer = load(tiny_llama_dir)
+    items = [EncodedPrompt(Prompt(f"p{i}", "cat", []), ids) for i, ids in enumerate(prompts(target.config.vocab_size, seed=4))]
+    drafts, shapes = [LMDraft(truncated_target(target, 2), "truncated:2")], [parse_shape("chain:3")]
+    eos = stop_token_ids(target, tokenizer)
+    reference = target_decode_batch(target, [item.ids for item in items], 12, GREEDY, eos)
+    checked = evaluate(target, tokenizer, drafts, shapes, items, GREEDY, 12, progress=False)
+    for batch_size in (1, 4):
+        given = evaluate(target, tokenizer, drafts, shapes, items, GREEDY, 12, progress=False, batch_size=batch_size,
+                         baseline=False, references=reference)
+        assert given["baseline"] is None
+        for key in ("greedy_match", "tokens", "rounds", "accepts"):
+            assert given["configs"][0]["overall"][key] == checked["configs"][0]["overall"][key], (batch_size, key)
+        wrong = evaluate(target, tokenizer, drafts, shapes, items, GREEDY, 12, progress=False, batch_size=batch_size,
+                         baseline=False, references=[ids[:-1] for ids in reference])
+        assert wrong["configs"][0]["overall"]["greedy_match"] == {"matched": 0, "compared": len(items)}
+    with pytest.raises(ValueError, match="references for"):
+        evaluate(target, tokenizer, drafts, shapes, items, GREEDY, 12, baseline=False, references=reference[:1])
 
 
 def test_batch_size_must_be_positive(tmp_path):

@@ -6,11 +6,14 @@ truncated-target draft, looked up from tables computed with one batched forward 
 continuation of a fixed context. Per sample: draft a tree under the context, verify it, and
 read the first two tokens the round emits (when a round emits one token, the second is drawn
 from the target's own next-token distribution: the round's joint is what is under test).
-40,000 samples per configuration (chain and dynamic tree here, static trees in
-test_eval_exact_tree.py); the empirical joint distribution of (token 1, token 2) must be
-within TV 0.01 of the exact target joint; plain sampling from the target, with as many samples,
-is the control that shows the noise floor; a deliberately wrong verifier must fail the same
-check (the test has the power to see a bias).
+16,000 samples per configuration (chain and dynamic tree here, static trees in
+test_eval_exact_tree.py); the TV of the empirical joint distribution of (token 1, token 2) to
+the exact target joint must be no larger than the largest of 1,000 plain samplings of as many
+draws from that joint (`tv_noise`: an exact sampler passes with probability about 1000/1001, and
+the bound adapts to how spread the joint is); a deliberately wrong verifier must fail the same
+kind of check (the test has the power to see a bias). Until 2026-12-06 the check was TV < 0.01
+over 40,000 samples, at 2.5x the time (the six checks of this method took about 250 s of the
+README's `pytest -n auto` on a 2-core AVX2-only EPYC).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from eyas.eval.verify import verify_sampled
 
 torch.set_num_threads(1)
 VOCAB = 16
-SAMPLES = 40_000
+SAMPLES = 16_000
 CONTEXT = [3, 7, 1, 12, 5, 9]
 
 
@@ -126,16 +129,32 @@ def sample_joint(draw, target_table, params, generator, samples: int = SAMPLES) 
     return counts.view(VOCAB, VOCAB) / samples
 
 
-def plain_joint(target_table, params, generator) -> torch.Tensor:
-    """The control: SAMPLES two-token continuations sampled from the target alone."""
-    firsts = torch.multinomial(process_logits(target_table[()], params), SAMPLES, replacement=True, generator=generator)
-    seconds = torch.multinomial(second_tokens(target_table, params)[firsts], 1, generator=generator).flatten()
-    counts = torch.zeros(VOCAB * VOCAB).index_add_(0, firsts * VOCAB + seconds, torch.ones(SAMPLES))
-    return counts.view(VOCAB, VOCAB) / SAMPLES
+def tv_noise(joint: torch.Tensor, samples: int, draws: int = 1000) -> tuple[float, float]:
+    """The TV to `joint` of `samples` plain draws from it, over `draws` repetitions: (mean, largest).
+
+    An exact sampler's TV to `joint` is below the largest in all but about 1 in `draws` + 1 cases; the mean is
+    the noise floor the figures are reported against. A sparse joint (top-k/top-p filtered) spreads more than a
+    dense one around its mean (measured 0.13-1.56x its mean over nine seeds of the filtered tree check below)."""
+    generator = torch.Generator().manual_seed(1)
+    flat, tvs = joint.flatten(), []
+    for _ in range(0, draws, 50):  # 50 repetitions a batch: 50 x samples draws at once
+        picks = torch.multinomial(flat, 50 * samples, replacement=True, generator=generator).view(50, samples)
+        counts = torch.zeros(50, flat.numel()).scatter_add_(1, picks, torch.ones(50, samples))
+        tvs.append(0.5 * (counts / samples - flat).abs().sum(1))
+    tvs = torch.cat(tvs)
+    return float(tvs.mean()), float(tvs.max())
 
 
 def tv(a: torch.Tensor, b: torch.Tensor) -> float:
     return 0.5 * float((a - b).abs().sum())
+
+
+def assert_near_exact(label: str, sampled: torch.Tensor, exact: torch.Tensor, samples: int = SAMPLES) -> float:
+    """The sampled joint is as near the exact one as plain draws of the same size are (`tv_noise`)."""
+    found, (floor, bound) = tv(sampled, exact), tv_noise(exact, samples)
+    print(f"{label}: TV(speculative, exact)={found:.4f}, {found / floor:.2f} x the floor {floor:.4f} (bound {bound:.4f})")
+    assert found <= bound, f"{label}: TV {found:.4f} > {bound:.4f}, the largest of 1,000 plain samplings"
+    return found
 
 
 def check_exact(tables, spec, params) -> None:
@@ -146,10 +165,7 @@ def check_exact(tables, spec, params) -> None:
     spec_joint = sample_joint(lambda: one_round(shape, params, target_table, draft_table, generator),
                               target_table, params, generator)
     first = process_logits(target_table[()], params)
-    spec_tv, plain_tv = tv(spec_joint, exact), tv(plain_joint(target_table, params, generator), exact)
-    print(f"{spec} {params}: TV(speculative, exact)={spec_tv:.4f} TV(plain, exact)={plain_tv:.4f}")
-    assert spec_tv < 0.01
-    assert plain_tv < 0.01
+    assert_near_exact(f"{spec} {params}", spec_joint, exact)
     # the draft differs from the target, so the test is not trivial: some drafts are rejected
     assert tv(process_logits(draft_table[()], params), first) > 0.05
 

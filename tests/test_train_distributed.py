@@ -1,7 +1,6 @@
 """Multi-process training on CPU (slow): 2-process DDP and DeepSpeed ZeRO-3 equal 1 process on the
-same global batch, 2-process DeepSpeed ZeRO-2 trains, a real SIGTERM checkpoints, exits 0 and
-resumes exactly, and a run resumes on another number of processes (DDP and ZeRO-2, 2 -> 1 and
-1 -> 2) continuing the uninterrupted run."""
+same global batch, a real SIGTERM checkpoints, exits 0 and resumes exactly, and a run resumes on
+another number of processes (DDP 1 -> 2, ZeRO-2 2 -> 1) continuing the uninterrupted run."""
 
 from __future__ import annotations
 
@@ -105,16 +104,10 @@ def _initial_fc(workspace) -> torch.Tensor:
     return build_head(DraftConfig(), config, default_layers(config.num_hidden_layers), d2t).fc.weight.detach()
 
 
-def test_deepspeed_zero2_two_processes_trains(workspace):
-    run = new_run(workspace, "zero2")
-    proc = _launch(["accelerate", "launch", "--config_file", str(REPO / "recipes/accelerate/deepspeed_zero2.yaml"),
-                    "--num_processes", "2", "-m", "eyas.train", str(workspace["recipe"]), "run.name=zero2",
-                    "train.max_steps=8"], timeout=400)
-    assert "8 steps of 2 x 1 x 400 tokens" in proc.stdout + proc.stderr
-    state = run / "checkpoints" / "step_00000008" / "state"
-    assert (state / "pytorch_model" / "mp_rank_00_model_states.pt").is_file()  # a DeepSpeed checkpoint
-    losses = [r["loss"] for r in _log(run)]
-    assert len(losses) == 8 and sum(losses[-3:]) / 3 < 0.5 * losses[0]
+# ZeRO-2 on 2 processes is covered by test_resume_on_another_number_of_processes[zero2-2-1] (its steps' losses and
+# final weights equal the one-process reference's) and by tests/test_train_trust.py's DeepSpeed test (bf16, a
+# DeepSpeed checkpoint written, resumed, its draft equal to DeepSpeed's fp32 masters); a test of its own that
+# its loss fell over 8 steps took a launch (about 50 s on one core) until 2026-12-06.
 
 
 def test_deepspeed_zero3_two_processes_equal_one_process(workspace, one_process):
