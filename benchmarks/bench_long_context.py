@@ -200,11 +200,16 @@ def measure_here(specs: list[dict]) -> list[dict]:
     return results
 
 
-def measure(specs: list[dict], in_process: bool = False) -> list[dict]:
-    """`measure_here` in a fresh subprocess (its peaks are these cases' own); `in_process` for --smoke (seconds)."""
+def measure(specs: list[dict], in_process: bool = False, timeout_s: float | None = None) -> list[dict]:
+    """`measure_here` in a fresh subprocess (its peaks are these cases' own); `in_process` for --smoke (seconds).
+    A subprocess still running after `timeout_s` is killed and the run stops, naming the cases."""
     if in_process:
         return measure_here(specs)
-    done = subprocess.run([sys.executable, __file__, "--case", json.dumps(specs)], capture_output=True, text=True)
+    try:
+        done = subprocess.run([sys.executable, __file__, "--case", json.dumps(specs)], capture_output=True, text=True,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"cases {specs} did not finish in {timeout_s:.0f} s (--case-timeout-s) and were stopped") from None
     if done.returncode != 0:
         raise SystemExit(f"cases {specs} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -296,7 +301,7 @@ def part_attention(args, say) -> list[dict]:
             estimate, basis = dense["traced_peak_bytes"] * 1.5, "the traced peak x 1.5"
         ran = [fused] + ([dense] if estimate <= args.budget_gb * GIB else [])
         specs = [{k: v for k, v in row.items() if k not in ("traced_peak_bytes", "saved_bytes")} for row in ran]
-        for row, measured in zip(ran, measure(specs, args.smoke)):
+        for row, measured in zip(ran, measure(specs, args.smoke, args.case_timeout_s)):
             row.update(measured=True, **_summary(measured))
             row["measured_over_traced"] = row["peak_bytes"] / row["traced_peak_bytes"]
         if len(ran) == 2:
@@ -322,7 +327,7 @@ def part_checkpoint(args, say) -> list[dict]:
               "vocab": args.vocab, "steps": args.steps, "checkpoint": checkpoint, "dtype": "float32", "repeats": args.repeats}
              for checkpoint in (False, True)]
     rows = []
-    for spec, measured in zip(specs, measure(specs, args.smoke)):
+    for spec, measured in zip(specs, measure(specs, args.smoke, args.case_timeout_s)):
         row = {**spec, **traced(spec), **_summary(measured)}
         row["measured_over_traced"] = row["peak_bytes"] / row["traced_peak_bytes"]
         rows.append(row)
@@ -392,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="part A's dtype (on CUDA the fused path needs bfloat16; fp32 falls back to the dense one)")
     parser.add_argument("--smoke", action="store_true", help="seconds: tiny shapes, the same code paths")
     parser.add_argument("--out", help="results JSON (default benchmarks/results/bench_long_context.json; --smoke: a temp folder)")
+    parser.add_argument("--case-timeout-s", type=float, default=None,
+                        help="stop a case's subprocess after this many seconds (default: no limit)")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: run these cases in this (fresh) process
     args = parser.parse_args(argv)
     if args.case:

@@ -62,6 +62,9 @@ STEPS = ("wheel", "rotary", "dump", "train", "ttt", "eval", "plan")
 # The cheap ones (tests/test_benchmarks_smoke.py runs every script's --smoke); rotary is left out as CI
 # runs tests/test_rotary.py in the suite anyway, and a pytest start-up is a quarter of a smoke run here.
 SMOKE_STEPS = ("dump", "ttt", "plan")
+# No network on a lent machine: nothing asks a hub, in this process (main sets them) or a launched one.
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
+           "TOKENIZERS_PARALLELISM": "false"}
 # Distributions whose presence decides what can run (the lent machine promises torch and
 # transformers only); reported at the start, each missing one named in the steps it skips.
 PACKAGES = ("torch", "transformers", "accelerate", "datasets", "safetensors", "deepspeed", "pyyaml", "tokenizers",
@@ -157,6 +160,22 @@ def package_versions(names: tuple[str, ...] = PACKAGES) -> dict[str, str | None]
     return found
 
 
+def below_floors(packages: dict[str, str | None]) -> dict[str, str]:
+    """Each present distribution older than the floor pyproject.toml declares for it ("2.11.0 < 2.13"): what this
+    machine runs that CI's floors run does not test (a GPU image's own torch, say)."""
+    import tomllib
+
+    from packaging.version import Version
+
+    below = {}
+    for requirement in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]:
+        match = re.match(r"([A-Za-z0-9_.-]+)\s*>=\s*([^,;\s]+)", requirement)
+        installed = packages.get(match[1]) if match else None
+        if installed and Version(installed) < Version(match[2]):
+            below[match[1]] = f"{installed} < {match[2]}"
+    return below
+
+
 def tail(text: str, chars: int = 2500) -> str:
     return text if len(text) <= chars else "..." + text[-chars:]
 
@@ -248,10 +267,8 @@ def child_env(**extra: str) -> dict:
     # MKL_CBWR: MKL picks kernels by memory alignment unless told not to, which changes the last bits of
     # a matmul between two launches (the resume check compares bits on the CPU). CUBLAS_WORKSPACE_CONFIG:
     # cuBLAS's deterministic workspace, so the GPU resume differs by as little as the kernels allow.
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", MKL_CBWR="AUTO,STRICT", CUBLAS_WORKSPACE_CONFIG=":4096:8",
-               PYTHONUNBUFFERED="1", **extra)
-    return env
+    return dict(os.environ, **OFFLINE, MKL_CBWR="AUTO,STRICT", CUBLAS_WORKSPACE_CONFIG=":4096:8", PYTHONUNBUFFERED="1",
+                **extra)
 
 
 def missing_module(text: str) -> str | None:
@@ -385,6 +402,12 @@ def wheel_sources(dest: Path) -> Path:
     return dest
 
 
+def without_eyas(pythonpath: str) -> str:
+    """PYTHONPATH less the folders that hold an eyas package (the checkout), so the probe imports the wheel's copy;
+    the rest stays (a lent machine's carried wheels, --target'ed into a folder on it)."""
+    return os.pathsep.join(p for p in pythonpath.split(os.pathsep) if p and not (Path(p) / "eyas").exists())
+
+
 def step_wheel(ctx: Context) -> dict:
     src = wheel_sources(ctx.work / "wheel-src")
     built, site = ctx.work / "wheel", ctx.work / "site"
@@ -393,7 +416,7 @@ def step_wheel(ctx: Context) -> dict:
     launch(ctx, "wheel-build", [*pip, "wheel", str(src), "--no-deps", "--no-build-isolation", "-w", str(built)], 240, env)
     (wheel,) = built.glob("eyas-*.whl")
     launch(ctx, "wheel-install", [*pip, "install", "--no-deps", "--target", str(site), str(wheel)], 120, env)
-    clean = {k: v for k, v in child_env().items() if k != "PYTHONPATH"}
+    clean = child_env(PYTHONPATH=without_eyas(os.environ.get("PYTHONPATH", "")))
     probe = launch(ctx, "wheel-import", [sys.executable, "-c", _PROBE, str(site), *WHEEL_MODULES], 180, clean)
     found = json.loads(probe.strip().splitlines()[-1])
     broken = {m: s for m, s in found["modules"].items() if s != "ok" and not s.startswith("needs ")}
@@ -719,7 +742,8 @@ def step_ttt(ctx: Context) -> dict:
     # bf16 on the GPU: CUDA's flash kernel takes bf16/fp16 only (in fp32 the fused path falls back to the dense one)
     args = argparse.Namespace(seqs=seqs, heads=32, kv_heads=8, head_dim=128, steps=7, repeats=3 if ctx.cuda else 1,
                               budget_gb=60.0 if ctx.cuda else 1.0, smoke=not ctx.cuda, device="cuda" if ctx.cuda else "cpu",
-                              dtype="bfloat16" if ctx.cuda else "float32")
+                              dtype="bfloat16" if ctx.cuda else "float32",
+                              case_timeout_s=max(30.0, ctx.deadline - time.monotonic()))  # a hung case ends the step
     rows = bench_long_context.part_attention(args, print)
     gib = float(1 << 30)
     cases = {f"{r['path']}_{r['seq']}": {"measured": r["measured"], "seconds": r["seconds"],
@@ -829,6 +853,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    os.environ.update(OFFLINE)  # before torch, transformers or datasets read them
     # Progress bars would fill the logs (stages' own, datasets', transformers' weight loading), here and in children.
     os.environ.setdefault("TQDM_DISABLE", "1")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
@@ -847,12 +872,15 @@ def main(argv: list[str] | None = None) -> int:
     missing = [name for name, version in ctx.packages.items() if version is None]
     report = {"script": "gpu_check", "started": begin.isoformat(timespec="seconds"), "argv": sys.argv[1:],
               "mode": "cuda" if cuda else "cpu", "smoke": args.smoke, "gpus": gpus, "visible_gpus": visible,
-              "machine": machine(), "packages": ctx.packages, "missing_packages": missing, "steps": {}}
+              "machine": machine(), "packages": ctx.packages, "missing_packages": missing,
+              "below_floors": below_floors(ctx.packages), "steps": {}}
     host = report["machine"]
     print(f"# gpu_check: {'CUDA, ' + str(gpus) + ' GPU(s)' if cuda else 'CPU sizes'}"
           f"{' (--smoke: ' + ', '.join(SMOKE_STEPS) + ')' if args.smoke else ''}; host CPU {host['cpu_model']} "
           f"({host['cpus']} CPUs; {' '.join(host['isa']) or 'no AVX2'}); missing packages: "
-          f"{', '.join(missing) or 'none'}; writing {ctx.out / 'gpu_check.json'}", flush=True)
+          f"{', '.join(missing) or 'none'}; below pyproject's floors: "
+          f"{', '.join(f'{k} {v}' for k, v in report['below_floors'].items()) or 'none'}; "
+          f"writing {ctx.out / 'gpu_check.json'}", flush=True)
     try:
         for name in STEPS:
             if args.only and name not in args.only:

@@ -7,8 +7,12 @@ benchmark smoke test; these tests stub the step bodies and check what the driver
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
+import tarfile
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -197,3 +201,64 @@ def test_source_site_imports_the_stages_without_pip(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     modules = json.loads(done.stdout.strip().splitlines()[-1])["modules"]
     assert modules == {name: "ok" for name in gpu_check.WHEEL_MODULES}
+
+
+# ----------------------------------------------------------------------------- the lent machine's command
+
+STUB_CHECK = """#!/usr/bin/env bash
+# a stand-in for gpu_check.sh: what the command gives it (interpreter, carried wheel, settings, arguments)
+mkdir -p "$2/gpu_check_logs"
+for i in $(seq 15); do echo "log $i" > "$2/gpu_check_logs/step$i.log"; done
+"$PYTHON" -c 'import carried, json, os, sys; print(json.dumps({"carried": carried.VALUE, "argv": sys.argv[1:],
+  "env": {k: os.environ.get(k) for k in ("PYTHON", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE",
+                                           "WANDB_MODE", "TOKENIZERS_PARALLELISM")}}))' "$@" > "$2/gpu_check.json"
+echo "stub gpu_check ran"
+"""
+
+
+def lent_machine_command() -> str:
+    """The fenced block after the marker in docs/stages.md ("The command a lent machine runs")."""
+    text = (gpu_check.REPO / "docs" / "stages.md").read_text()
+    after = text.split("<!-- the lent machine's command: tests/test_gpu_check.py reads the block below -->", 1)[1]
+    return after.split("```bash\n", 1)[1].split("\n```", 1)[0]
+
+
+def _wheel(folder: Path) -> Path:
+    """A one-module wheel (`carried`), as the carried .whl/ files are installed."""
+    path = folder / "carried-1.0-py3-none-any.whl"
+    files = {"carried.py": "VALUE = 'from the carried wheel'\n",
+             "carried-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: carried\nVersion: 1.0\n",
+             "carried-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, body in files.items():
+            zf.writestr(name, body)
+        zf.writestr("carried-1.0.dist-info/RECORD", "".join(f"{name},,\n" for name in [*files, "carried-1.0.dist-info/RECORD"]))
+    return path
+
+
+def test_the_lent_machine_command_installs_the_carried_wheels_and_brings_back_three_files(tmp_path):
+    """The documented command, run as the device tool runs it (repository root, $OUT empty) over a stand-in
+    gpu_check.sh: under the tool's 2,000 characters, valid bash; the carried wheel imports in python3 from a
+    fresh folder, every offline setting reaches the check, and $OUT holds three files (the logs in one tar)."""
+    command = lent_machine_command()
+    assert len(command) < 2000, f"the command is {len(command)} characters; the device tool takes 2,000"
+    assert subprocess.run(["bash", "-n", "-c", command]).returncode == 0
+    root, out, bin_dir = tmp_path / "checkout", tmp_path / "out", tmp_path / "bin"
+    for folder in (root / ".whl", root / "benchmarks", out, bin_dir):
+        folder.mkdir(parents=True)
+    _wheel(root / ".whl")
+    (root / "benchmarks" / "gpu_check.sh").write_text(STUB_CHECK)
+    (bin_dir / "python3").symlink_to(sys.executable)  # the lent machine's interpreter is `python3`
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_OFFLINE") and k != "PYTHONPATH"}
+    env.update(OUT=str(out), PATH=f"{bin_dir}:{env['PATH']}", TMPDIR=str(tmp_path))
+    done = subprocess.run(["bash", "-c", command], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert sorted(p.name for p in out.iterdir()) == ["console.txt", "gpu_check.json", "gpu_check_logs.tgz"]
+    console = (out / "console.txt").read_text()
+    assert console.startswith("pyarrow ") and "fsspec " in console.splitlines()[0] and "stub gpu_check ran" in console
+    seen = json.loads((out / "gpu_check.json").read_text())
+    assert seen["carried"] == "from the carried wheel" and seen["argv"][:2] == ["--out", str(out / "check")]
+    assert seen["env"] == {"PYTHON": "python3", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "offline",
+                           **{k: "1" for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")}}
+    with tarfile.open(out / "gpu_check_logs.tgz") as tar:
+        assert len([m for m in tar.getmembers() if m.name.endswith(".log")]) == 15
