@@ -157,6 +157,27 @@ def test_micro_batches_add_no_host_sync(workspace, monkeypatch):
     assert counted[3] == counted[1], counted
 
 
+def test_a_step_that_is_not_logged_leaves_its_sums_on_the_device(workspace, monkeypatch):
+    """A step's losses, accuracies, counts and tokens stay on the device until a log step reads them (one
+    collective for the sums, one for the tokens since the last read): a step that is not logged makes two
+    all-reduces fewer, and the checkpoint counts the same tokens as a run that logs every step."""
+    from accelerate import Accelerator
+
+    from eyas.train.checkpoint import read_trainer_state
+
+    real, calls = Accelerator.reduce, []
+    monkeypatch.setattr(Accelerator, "reduce", lambda self, *args, **kwargs: calls.append(1) or real(self, *args, **kwargs))
+    counted, tokens = {}, {}
+    for every in (1, 3):
+        calls.clear()
+        result = train(_recipe(workspace, f"log-every-{every}", f"train.log_every={every}", "train.save_every=0",
+                               "train.eval_every=0"))
+        counted[every] = len(calls)
+        tokens[every] = read_trainer_state(result["checkpoint"])["tokens"]
+    assert counted[1] - counted[3] == 2 * 4, counted  # steps 1, 2, 4 and 5 of 6 are not logged at every=3
+    assert tokens[1] == tokens[3] == sum(r["tokens"] for r in _train_log(workspace["root"] / "log-every-1")) > 0
+
+
 def test_refuses_shards_that_do_not_fit(workspace):
     manifest = json.loads((workspace["root"] / "base" / "shards" / "manifest.json").read_text())
     layers = check_shards_fit(manifest, "eagle3", 64, [], Path("x"))

@@ -314,6 +314,18 @@ class Totals:
                       packed[3 * steps], packed[3 * steps + 1], self.feature_scored)
 
 
+@dataclass
+class StepSums:
+    """One optimizer step's sums, left on the device: `Trainer.step_metrics` reads them, at log steps only (a read
+    is a host sync on a GPU, and a step that is not logged needs none but the finite check and the stop vote)."""
+
+    totals: Totals              # this process's sums
+    counts: torch.Tensor        # [steps] loss-masked positions over every process (the loss's denominators)
+    grad_norm: Any              # the clipped gradient's norm (a tensor), or None without clipping
+    lr: float
+    steps: int                  # unroll depth of this step
+
+
 class StopSignals:
     """Records SIGTERM/SIGUSR1 instead of dying; the loop checkpoints and exits at a step boundary."""
 
@@ -395,6 +407,7 @@ class Trainer:
             self.optimizer, num_warmup_steps=self.cfg.warmup_steps, num_training_steps=self.total_steps,
             min_lr_rate=self.cfg.min_lr_ratio)
         self.state = TrainState()
+        self.unread_tokens = torch.zeros((), dtype=torch.long, device=self.device)  # of the steps since their last read
         self.resumed_from: Path | None = None
         self.resume_changes: dict[str, tuple[Any, Any]] = {}
 
@@ -489,7 +502,7 @@ class Trainer:
             return full
         return min(full, 1 + step * full // ramp)
 
-    def train_step(self, micro: list[tuple[dict, dict]]) -> dict:
+    def train_step(self, micro: list[tuple[dict, dict]]) -> StepSums:
         acc, steps = self.accelerator, self.unroll_depth(self.state.step)
         local = torch.zeros(steps, device=self.device)
         for batch, _ in micro:
@@ -518,7 +531,7 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return self._step_metrics(totals.reduced(acc), counts.cpu(), grad_norm, lr, steps)
+        return StepSums(totals, counts, grad_norm, lr, steps)
 
     def _check_finite(self, losses: torch.Tensor, positions: list[dict]) -> None:
         """Stop before the optimizer step if any rank's loss of this step is not finite: one all-reduce and one
@@ -536,8 +549,11 @@ class Trainer:
             "Lower train.lr or check the shards (eyas.data.shard_verify.verify), then resume from it"
         )
 
-    def _step_metrics(self, totals: Totals, counts: torch.Tensor, grad_norm: Any, lr: float, steps: int) -> dict:
-        metrics: dict = {"lr": lr}
+    def step_metrics(self, sums: StepSums) -> dict:
+        """The step's losses, accuracies, tokens and gradient norm over every process, read to the host (a collective)."""
+        totals, counts, steps = sums.totals.reduced(self.accelerator), sums.counts.cpu(), sums.steps
+        grad_norm = sums.grad_norm
+        metrics: dict = {"lr": sums.lr}
         if steps != self.train_steps:
             metrics["ttt_depth"] = steps
         total = 0.0
@@ -776,19 +792,22 @@ class Trainer:
         try:
             while self.state.step < self.total_steps:
                 micro = [next(stream) for _ in range(cfg.grad_accum)]
-                metrics = self.train_step(micro)
+                done = self.train_step(micro)
                 self.position = micro[-1][1]
                 self.state.step += 1
-                self.state.tokens += metrics["tokens"]
-                logger.advance(1, metrics["tokens"])
+                self.unread_tokens += done.totals.tokens.long()  # this process's, on the device until the next read
+                logger.advance(1)
                 step = self.state.step
-                if step % cfg.log_every == 0 or step == self.total_steps:
-                    logger.log(step, {**metrics, **logger.rates()})
                 last = step == self.total_steps
+                if step % cfg.log_every == 0 or last:  # the only reads of the step's sums
+                    metrics = self.step_metrics(done)
+                    self._count_tokens(logger)
+                    logger.log(step, {**metrics, **logger.rates()})
                 if (cfg.eval_every and step % cfg.eval_every == 0) or last:
                     self._evaluate_and_keep_best(logger)
                 stop = self._stop_requested(signals, stop_at_step)
                 if (cfg.save_every and step % cfg.save_every == 0) or last or stop:
+                    self._count_tokens(logger)  # the checkpoint's token count is exact
                     path = self.save()
                     if stop:
                         outcome = signals.received or "stop_at_step"
@@ -804,6 +823,13 @@ class Trainer:
         return {"step": self.state.step, "outcome": outcome, "checkpoint": ckpt.latest_checkpoint(self.ckpt_root),
                 "best": ckpt.best_checkpoint(self.run_dir), "best_sim_accept": self.state.best_sim_accept,
                 "last_eval": self.state.last_eval, "main_process_seconds": dict(self.rank_zero.seconds)}
+
+    def _count_tokens(self, logger: Any) -> None:
+        """Add the tokens of the steps since the last read (every process's: a collective) to the state and the rates."""
+        tokens = int(self.accelerator.reduce(self.unread_tokens[None], reduction="sum"))
+        self.unread_tokens.zero_()
+        self.state.tokens += tokens
+        logger.advance(0, tokens)
 
     def _stop_requested(self, signals: StopSignals, stop_at_step: int | None) -> bool:
         """Every rank agrees: a signal on any rank (or the requested step) stops all of them."""

@@ -57,8 +57,9 @@ class MetricsLogger:
             self.jsonl = open(self.logs / "metrics.jsonl", "a", encoding="utf-8")
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", desc="eyas train", dynamic_ncols=True)
 
-    def advance(self, steps: int, tokens: int) -> None:
-        """Count finished optimizer steps and their (global) tokens for the rates."""
+    def advance(self, steps: int, tokens: int = 0) -> None:
+        """Count finished optimizer steps and (global) tokens for the rates; the trainer reads its tokens at log
+        steps, so they may come after their steps (the next `rates` counts them)."""
         self._steps_since += steps
         self._tokens_since += tokens
         if self.bar is not None:
