@@ -799,7 +799,8 @@ class Trainer:
                 logger.advance(1)
                 step = self.state.step
                 last = step == self.total_steps
-                if step % cfg.log_every == 0 or last:  # the only reads of the step's sums
+                logged = step % cfg.log_every == 0 or last
+                if logged:  # the only reads of the step's sums
                     metrics = self.step_metrics(done)
                     self._count_tokens(logger)
                     logger.log(step, {**metrics, **logger.rates()})
@@ -807,7 +808,8 @@ class Trainer:
                     self._evaluate_and_keep_best(logger)
                 stop = self._stop_requested(signals, stop_at_step)
                 if (cfg.save_every and step % cfg.save_every == 0) or last or stop:
-                    self._count_tokens(logger)  # the checkpoint's token count is exact
+                    if not logged:
+                        self._count_tokens(logger)  # the checkpoint's token count is exact
                     path = self.save()
                     if stop:
                         outcome = signals.received or "stop_at_step"
