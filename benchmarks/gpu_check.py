@@ -145,6 +145,10 @@ class Context:
     def missing(self, *names: str) -> list[str]:
         return [n for n in names if self.packages.get(n) is None]
 
+    def seconds_left(self) -> float:
+        """Of the time budget (--budget-s): what a step or a launched command may still take."""
+        return self.deadline - time.monotonic()
+
 
 # ----------------------------------------------------------------------------- bookkeeping
 
@@ -188,7 +192,7 @@ def run_step(name: str, body: Callable[[Context], dict], ctx: Context) -> dict:
         missing = ctx.missing(*NEEDS.get(name, ()))
         if missing:
             raise Skip(f"needs {', '.join(missing)} (not installed)")
-        if time.monotonic() > ctx.deadline - 5:
+        if ctx.seconds_left() < 5:
             raise Skip("the time budget (--budget-s) is spent")
         # What a step prints in this process (prepare's and dump's progress) goes to its log, not the summary.
         log_path = ctx.out / "gpu_check_logs" / f"{name}.log"
@@ -286,7 +290,7 @@ def launch(ctx: Context, label: str, cmd: list[str], timeout_s: float, env: dict
     cwd defaults to the scratch folder, never the repository root: there `python -m eyas...` would
     import the source folder `eyas/` (which lacks eyas.data, eyas.train: they map from data/, train/)
     instead of the installed wheel."""
-    timeout_s = max(1.0, min(timeout_s, ctx.deadline - time.monotonic()))
+    timeout_s = max(1.0, min(timeout_s, ctx.seconds_left()))
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=cwd or ctx.work, env=env or child_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -743,7 +747,7 @@ def step_ttt(ctx: Context) -> dict:
     args = argparse.Namespace(seqs=seqs, heads=32, kv_heads=8, head_dim=128, steps=7, repeats=3 if ctx.cuda else 1,
                               budget_gb=60.0 if ctx.cuda else 1.0, smoke=not ctx.cuda, device="cuda" if ctx.cuda else "cpu",
                               dtype="bfloat16" if ctx.cuda else "float32",
-                              case_timeout_s=max(30.0, ctx.deadline - time.monotonic()))  # a hung case ends the step
+                              case_timeout_s=max(30.0, ctx.seconds_left()))  # a hung case ends the step
     rows = bench_long_context.part_attention(args, print)
     gib = float(1 << 30)
     cases = {f"{r['path']}_{r['seq']}": {"measured": r["measured"], "seconds": r["seconds"],
