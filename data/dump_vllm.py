@@ -137,7 +137,7 @@ class VllmCapture:
         self.engine_args = dict(
             model=str(folder), dtype=str(dtype).replace("torch.", ""), seed=seed, max_model_len=max_model_len,
             tensor_parallel_size=int(dump_cfg.vllm_tensor_parallel_size),
-            enable_expert_parallel=bool(dump_cfg.vllm_expert_parallel),
+            enable_expert_parallel=bool(dump_cfg.vllm_expert_parallel), enforce_eager=bool(dump_cfg.vllm_enforce_eager),
             # Every token computed in its own batch position, as the plan batches it: a cached prefix would be
             # the same values, but from another batch's arithmetic.
             enable_prefix_caching=False, max_num_batched_tokens=max(int(dump_cfg.token_budget), max_model_len),

@@ -187,6 +187,10 @@ class DumpConfig:
     vllm_tensor_parallel_size: int = _doc("dump.backend=vllm: GPUs the target is sharded over (tensor parallel).", 1)
     vllm_expert_parallel: bool = _doc("dump.backend=vllm: shard an MoE target's experts over those GPUs "
                                       "(vLLM's enable_expert_parallel).", False)
+    vllm_enforce_eager: bool = _doc(
+        "dump.backend=vllm: start the engine without torch.compile or CUDA graphs (vLLM's enforce_eager): seconds "
+        "instead of the compile (about 80 s on a CPU, per dump task), for a short dump or a check; a long dump "
+        "keeps the compiled engine.", False)
 
 
 @dataclass

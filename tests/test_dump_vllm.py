@@ -105,6 +105,27 @@ def test_without_vllm_the_dump_says_how_to_install_it(workspace, monkeypatch):
         dump(_recipe(root, target, "missing", "dump.backend=vllm"))
 
 
+def test_the_engine_starts_as_the_recipe_says(workspace, tmp_path):
+    """The dump.vllm_* keys reach vLLM's engine arguments: enforce_eager only where asked (otherwise vLLM's
+    default, the compiled engine), and no engine starts before the first batch."""
+    from transformers import AutoConfig
+
+    from eyas.data.dump_vllm import VllmCapture
+
+    root, target, _ = workspace
+    config = AutoConfig.from_pretrained(target)
+
+    def engine_args(*overrides: str) -> dict:
+        recipe = _recipe(root, target, "args", "dump.backend=vllm", *overrides)
+        return VllmCapture(target, config, torch.float32, [1, 2], True, recipe.dump, 96, tmp_path / "s").engine_args
+
+    assert engine_args()["enforce_eager"] is False
+    eager = engine_args("dump.vllm_enforce_eager=true", "dump.vllm_expert_parallel=true",
+                        "dump.vllm_tensor_parallel_size=2")
+    assert (eager["enforce_eager"], eager["enable_expert_parallel"], eager["tensor_parallel_size"]) == (True, True, 2)
+    assert not (tmp_path / "s").exists()  # nothing starts before the first batch
+
+
 @pytest.mark.slow
 @pytest.mark.serving
 def test_the_vllm_dump_stores_the_transformers_features(workspace, vllm_dump, monkeypatch):
