@@ -20,7 +20,7 @@ def test_prepare_and_dump_chitchat_on_smollm2(tmp_path, smollm2_dir, capsys):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(
         f"run:\n  output_dir: {tmp_path}/runs\n  name: e2e\n"
-        "data:\n  source: chitchat\n  max_samples: 60\n  max_length: 256\n  heldout_fraction: 0.1\n"
+        "data:\n  source: chitchat\n  max_samples: 24\n  max_length: 256\n  heldout_fraction: 0.1\n"
         "dump:\n  encoding: int8\n  token_budget: 2048\n  shard_tokens: 3000\n  draft_vocab_size: 2048\n"
     )
     assert eyas_main(["prepare", str(recipe)]) == 0
@@ -28,7 +28,7 @@ def test_prepare_and_dump_chitchat_on_smollm2(tmp_path, smollm2_dir, capsys):
     run_dir = tmp_path / "runs" / "e2e"
     skipped = json.loads((run_dir / "prepared" / "skipped.json").read_text())
     train, heldout = load_prepared(run_dir, "train"), load_prepared(run_dir, "heldout")
-    assert len(train) + len(heldout) + skipped["total"] == 60
+    assert len(train) + len(heldout) + skipped["total"] == 24
     assert skipped["counts"].get("no assistant turn", 0) > 0 and "no assistant turn" in out
 
     assert eyas_main(["dump", str(recipe)]) == 0
