@@ -1,6 +1,6 @@
-"""eyas vs vLLM's `speculators` trainer: the same EAGLE-3 (or, with --kind dflash, DFlash) draft
-trained on the same shards for the same optimizer steps, both drafts then served in one vLLM and
-their acceptance compared.
+"""eyas vs vLLM's `speculators` trainer: the same EAGLE-3 (or, with --kind dflash, DFlash; --kind dspark,
+DSpark) draft trained on the same shards for the same optimizer steps, both drafts then served in one vLLM
+(DSpark: decoded by eyas's decoder) and their acceptance compared.
 
 Run (speculators is installed apart from eyas's environment, without its dependencies; the
 script installs it into --peers when that folder lacks it):
@@ -80,6 +80,21 @@ eyas's trained vector; its lm_head frozen. Its saved config is served as it trai
 reads speculators' `sliding_window_non_causal: false` as causal attention on every layer, so the
 flag is set true (`serve_as_trained`; no sliding layer, so training is unchanged).
 
+--kind dspark: speculators' `DSparkDraftModel` beside `eyas train draft.kind=dspark draft.num_steps=K
+train.draft_init=random` (the peer has no start from the target's layer) on the same eagle3 shards. The peer
+takes eyas's draft's shape: its layers, its block of K rows (the anchor's row predicting, `sample_from_anchor`),
+its mask token and Markov rank, the confidence head on [hidden; Markov embedding]; and eyas's dspark loss (0.1
+CE + 0.9 TV + 1.0 confidence BCE, rows weighted exp(-k/4)) instead of speculators' dspark default (KL), with
+as many anchors a step as its packed sequence has supervised positions (eyas anchors every position). Its loss
+mask is the EAGLE-3 one (row j scores the prediction of token j+1 where mask[j] is set). vLLM 0.32 serves
+DSpark only on its V2 model runner, which needs Triton, so neither draft is served: both are decoded in one
+`eyas eval` (T=0, chain:K, the same prompts' first turns, the target alone beside them), the peer's saved
+folder read by eyas's reader of speculators' format (`load_exported`) and checked equal to speculators' own
+model of it on the first training row (every (anchor, row) pair's logits and confidence, as
+crossload_speculators.py compares them) before it is decoded. Left as each trainer's own: speculators' CE is
+against the target's argmax, eyas's against the data token; its optimizer, clipping and schedule floor as
+for EAGLE-3.
+
 Replaced for the CPU (speculators targets GPUs), with what speculators itself ships where it ships one:
 - the fused Triton losses -> `loss_implementation=eager` (speculators.losses.eager);
 - flex attention (`simple_flex_attention`) -> `draft_attn_impl=sdpa`, its dense-mask path;
@@ -146,6 +161,7 @@ def load_speculators(site: str) -> dict:
                         *PEER_PACKAGES], check=True)
     sys.path.insert(0, str(site_path))
     from speculators.models.dflash.core import DFlashDraftModel
+    from speculators.models.dspark.core import DSparkDraftModel
     from speculators.models.eagle3.core import Eagle3DraftModel
     from speculators.models.eagle3.data import shift_batch
     from speculators.train import cli as spec_cli
@@ -172,7 +188,8 @@ def load_speculators(site: str) -> dict:
             self.model.to("cpu")
 
     spec_trainer._StepTimer = CpuStepTimer  # train_epoch looks the class up in its module
-    return {"Eagle3DraftModel": Eagle3DraftModel, "DFlashDraftModel": DFlashDraftModel, "shift_batch": shift_batch, "cli": spec_cli,
+    return {"Eagle3DraftModel": Eagle3DraftModel, "DFlashDraftModel": DFlashDraftModel,
+            "DSparkDraftModel": DSparkDraftModel, "shift_batch": shift_batch, "cli": spec_cli,
             "trainer": spec_trainer, "TrainConfig": TrainConfig, "BaseDataset": BaseDataset,
             "CollateFn": CollateFn, "CpuTrainer": CpuTrainer}
 
@@ -202,8 +219,9 @@ def shard_dataset(spec: dict, reader, max_len: int, dtype: torch.dtype, mask_glu
 
 
 def peer_loss_mask(loss_mask: torch.Tensor) -> torch.Tensor:
-    """eyas's per-token mask (token j is supervised) as speculators reads it (after its shift_batch,
-    mask[j] supervises the prediction of token j+1): mask[j+1] at j, the last position off."""
+    """eyas's per-token mask (token j is supervised) as speculators reads it (EAGLE-3 after its shift_batch,
+    and DSpark's block row at position j, both scored on the prediction of token j+1 where mask[j] is set):
+    mask[j+1] at j, the last position off."""
     mask = torch.zeros(loss_mask.shape, dtype=torch.bool)
     mask[:-1] = loss_mask[1:] > 0
     return mask
@@ -265,6 +283,21 @@ def dflash_shape(args: argparse.Namespace, recipe: dict, eyas_config: dict) -> d
             "block_size": int(eyas_config["num_steps"]) + 1, "mask_token_id": int(eyas_config["mask_token_id"])}
 
 
+def dspark_shape(args: argparse.Namespace, recipe: dict, eyas_config: dict) -> dict:
+    """The peer's DSpark, read off eyas's draft: its layers, its block (K rows, the anchor's predicting too), its
+    mask token and Markov rank; eyas's dspark loss (0.1 CE + 0.9 TV + 1.0 confidence BCE, rows weighted
+    exp(-k/4)), which speculators' dspark default (KL) is not; and every supervised position an anchor, as eyas
+    makes every position one (speculators samples up to max_anchors; the token budget holds them all)."""
+    layers = int(eyas_config["num_layers"])
+    return {"speculator_type": "dspark", "num_layers": layers, "full_attention_indices": list(range(layers)),
+            "block_size": int(eyas_config["num_steps"]), "mask_token_id": int(eyas_config["mask_token_id"]),
+            "sample_from_anchor": True, "markov_rank": int(eyas_config["kind_options"]["markov_rank"]),
+            "markov_head_type": "vanilla", "enable_confidence_head": True, "confidence_head_with_markov": True,
+            "loss_fn": json.dumps({"ce": 0.1, "tv": 0.9}), "confidence_head_alpha": 1.0,
+            "per_position_loss_weight": "fixed-exp-decay", "dflash_decay_gamma": 4.0,
+            "max_anchors": int(recipe["train"]["token_budget"])}
+
+
 @dataclass(frozen=True)
 class Compared:
     """A head kind both trainers build: speculators' class and batch glue for it, eyas's recipe for it."""
@@ -272,10 +305,12 @@ class Compared:
     model: str  # speculators' draft class, a key of load_speculators()
     preprocess: str | None  # speculators' per-sample batch preprocess for the kind (its cli's table)
     mask_glue: Callable[[torch.Tensor], torch.Tensor]  # eyas's loss mask -> the one the peer reads
-    shape: Callable[[argparse.Namespace, dict, dict], dict]  # the peer's architecture settings
+    shape: Callable[[argparse.Namespace, dict, dict], dict]  # the peer's settings for the kind
     eyas_overrides: tuple[str, ...]  # on the run's recipe (an eagle3 dump feeds both kinds); {k}: --k
     same_positions: bool  # whether both supervise the same (position, step) pairs, checked on the first batch
     after_save: Callable[[Path], None] | None = None  # on the peer's saved checkpoint, before vLLM serves it
+    # who decodes both drafts: vLLM, or eyas's own decoder for a kind vLLM 0.32 cannot serve on a CPU
+    decoder: str = "vllm"
 
 
 KINDS = {
@@ -283,6 +318,12 @@ KINDS = {
     # DFlash's anchors are sampled inside the peer's forward, so only their candidates are counted
     "dflash": Compared("DFlashDraftModel", None, same_positions, dflash_shape,
                        ("draft.kind=dflash", "draft.num_steps={k}"), False, serve_as_trained),
+    # vLLM 0.32 serves DSpark only on its V2 model runner, which needs Triton (README, engine table): both
+    # drafts are decoded by eyas's decoder, the peer's read back through eyas's reader of speculators' format.
+    # eyas starts from a random init as the peer does (the quickstart recipe starts from the target's layer).
+    "dspark": Compared("DSparkDraftModel", None, peer_loss_mask, dspark_shape,
+                       ("draft.kind=dspark", "draft.num_steps={k}", "train.draft_init=random"), False,
+                       decoder="eyas"),
 }
 
 
@@ -325,11 +366,12 @@ def trainer_config(spec: dict, flat: dict, train_kwargs: dict, val_kwargs: dict)
 
 def supervised_counts(reader, indices: list[int], collated: dict, flat: dict) -> dict:
     """Positions each trainer supervises per draft step on one batch: for EAGLE-3 they must agree; for
-    DFlash eyas's per slot beside the peer's anchor candidates and the anchors it samples from them."""
+    DFlash and DSpark eyas's per slot beside the peer's anchor candidates and the anchors it samples from them."""
     from eyas.train.loader import pad_batch
     from eyas.train.ttt import step_counts
 
-    steps = flat["ttt_steps"] if flat["speculator_type"] == "eagle3" else flat["block_size"] - 1
+    # per draft step: EAGLE-3's unroll, DFlash's mask slots, DSpark's block rows (its anchor row predicts too)
+    steps = {"eagle3": flat["ttt_steps"], "dflash": flat["block_size"] - 1}.get(flat["speculator_type"], flat["block_size"])
     batch = pad_batch([reader.sample(i) for i in indices])
     eyas = [int(c) for c in step_counts(batch["loss_mask"] * batch["attention_mask"], steps)]
     mask = collated["loss_mask"].float()
@@ -470,20 +512,24 @@ def train_eyas(args: argparse.Namespace, work: Path, prefix: str = "eyas") -> di
 # ----------------------------------------------------------------------------- prompts
 
 
-def load_prompt_groups(args: argparse.Namespace, tokenizer) -> list[dict]:
-    """[{category, ids: [[int]], ids_of: [prompt id]}]: the first turn of --per-category prompts per
-    category of broad.jsonl, then the held-out chat prompts (category 'heldout')."""
-    from eyas.eval.prompts import balanced_first, load_prompts, render
+def chosen_prompts(args: argparse.Namespace) -> list:
+    """--per-category prompts per category of --prompts, then the held-out chat prompts (category 'heldout')."""
+    from eyas.eval.prompts import balanced_first, load_prompts
 
     rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
     categories = len({r.get("category") for r in rows})
     broad, _ = load_prompts(str(args.prompts), None, args.per_category * categories)
     heldout, _ = load_prompts("heldout", args.run, args.heldout) if args.heldout >= 0 else ([], {})
     prompts = broad + heldout
-    if args.max_prompts:
-        prompts = balanced_first(prompts, args.max_prompts)
+    return balanced_first(prompts, args.max_prompts) if args.max_prompts else prompts
+
+
+def load_prompt_groups(args: argparse.Namespace, tokenizer) -> list[dict]:
+    """[{category, ids: [[int]], prompt_ids: [prompt id]}]: the first turn of each chosen prompt, by category."""
+    from eyas.eval.prompts import render
+
     groups: dict[str, dict] = {}
-    for prompt in prompts:  # Prompt.messages is the first turn; later turns are not asked
+    for prompt in chosen_prompts(args):  # Prompt.messages is the first turn; later turns are not asked
         group = groups.setdefault(prompt.category, {"category": prompt.category, "ids": [], "prompt_ids": []})
         group["ids"].append(render(prompt, tokenizer))
         group["prompt_ids"].append(prompt.id)
@@ -646,6 +692,93 @@ def figures(counts: dict) -> dict:
             "accepted_per_pos": per_pos, "tokens": counts["tokens"], "prompts": counts.get("prompts", len(counts.get("outputs", [])))}
 
 
+# ----------------------------------------------------------------------------- eyas's decoder
+
+
+def peer_as_eyas(peer_dir: str, eyas_config: dict, target_dir: str, work: Path, steps: int) -> str:
+    """The peer's saved draft as an eyas checkpoint for `eyas eval`: read by eyas's reader of speculators'
+    format (`load_exported`: every tensor as speculators saved it, refused if one is missing or extra; the
+    embedding the target's, which speculators also rebuilds from the verifier), with eyas's record of the
+    target (identity, model type), which speculators does not write."""
+    from transformers import AutoModelForCausalLM
+
+    from eyas.draft.checkpoint import save_draft
+    from eyas.train.export import load_exported
+
+    as_read = work / "peer-as-read"
+    shutil.rmtree(as_read, ignore_errors=True)
+    shutil.copytree(peer_dir, as_read)
+    config = json.loads((as_read / "config.json").read_text())
+    config["eyas"] = {**{key: eyas_config[key] for key in ("kind", "target_identity", "target_model_type",
+                                                            "initializer_range")}, "format": "vllm"}
+    (as_read / "config.json").write_text(json.dumps(config, indent=2))
+    embedding = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).get_input_embeddings().weight
+    head = load_exported(as_read, embedding.detach())
+    out = work / "runs" / f"speculators-{steps}" / "checkpoints" / f"step_{steps:08d}"
+    shutil.rmtree(out, ignore_errors=True)
+    return str(save_draft(out, head, meta={"source": str(peer_dir), "read_by": "eyas.train.export.load_exported"}))
+
+
+def read_back_check(peer_class, peer_dir: str, checkpoint: str, target_dir: str, input_ids: torch.Tensor) -> dict:
+    """speculators' own model of the peer's saved folder against eyas's read-back of it on one token row: the
+    logits and confidences of every (anchor, block row) pair (crossload_speculators.py's comparison)."""
+    from crossload_speculators import compare_sequence, load_peer, summary
+    from transformers import AutoModelForCausalLM
+
+    from eyas.draft.checkpoint import load_draft
+
+    head, _ = load_draft(checkpoint)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    peer = {"kind": "speculators", "model": load_peer(peer_class, Path(peer_dir))}
+    found = summary([compare_sequence(head, target, peer, input_ids[None], int(head.config.num_steps))], atol=1e-4)
+    if not found["equal"]:
+        raise SystemExit(f"bench_peer_speculators: eyas's read-back of the peer's draft differs from speculators' own "
+                         f"model of it: {found}")
+    return found
+
+
+def decoded_figures(summary: dict) -> dict:
+    """One configuration of an `eyas eval` report in the names `figures` gives vLLM's counters."""
+    overall = summary["overall"]
+    match = overall.get("greedy_match") or {"matched": 0, "compared": 0}
+    return {"mean_acceptance_length": overall["tau"], "acceptance_per_position": overall["cumulative"],
+            "alpha": overall["alpha"], "drafts": overall["rounds"], "accepted": sum(overall["accepts"]),
+            "accepted_per_pos": overall["accepts"], "tokens": overall["tokens"], "prompts": overall["prompts"],
+            "tokens_per_s": overall["tokens_per_s"], "speedup": overall["speedup"],
+            "outputs_equal_target": f"{match['matched']}/{match['compared']}",
+            "per_category": {category: {"mean_acceptance_length": fig["tau"], "prompts": fig["prompts"]}
+                             for category, fig in summary["per_category"].items()}}
+
+
+def decode_in_eyas(drafts: dict[str, str], args: argparse.Namespace, work: Path) -> dict:
+    """Every draft (an eyas checkpoint) in one `eyas eval` of the run: the chosen prompts' first turns, T=0,
+    chain:K, and the target alone beside them (the speedup, and each output compared with the target's)."""
+    _, recipe = eyas_run_dir(Path(args.run), work, "decode")
+    prompt_file = work / "prompts.jsonl"
+    prompt_file.write_text("".join(json.dumps({"id": p.id, "category": p.category, "messages": p.messages}) + "\n"
+                                   for p in chosen_prompts(args)))
+    folder = work / "eyas-eval"
+    shutil.rmtree(folder, ignore_errors=True)
+    command = [sys.executable, "-m", "eyas.cli", "eval", str(recipe), "run.name=decode", f"eval.prompts={prompt_file}",
+               "eval.max_prompts=0", f"eval.max_new_tokens={args.max_new_tokens}", "eval.temperature=0",
+               "eval.engine=builtin", f"eval.output={folder}", "eval.shapes=" + json.dumps([f"chain:{args.k}"]),
+               "eval.drafts=" + json.dumps(list(drafts.values()))]
+    log = work / "eyas-eval.log"
+    print(f"bench_peer_speculators: eyas's decoder: {len(drafts)} drafts (log {log})", flush=True)
+    started = time.perf_counter()
+    with open(log, "w") as out:
+        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, cwd=str(HERE.parent))
+    if done.returncode != 0:
+        raise SystemExit(f"bench_peer_speculators: eyas eval exited with {done.returncode}; last lines of {log}:\n"
+                         + "\n".join(log.read_text(errors="replace").splitlines()[-20:]))
+    report = json.loads((folder / "report.json").read_text())
+    configs = report["configs"]  # one shape: one configuration per draft, in eval.drafts' order
+    baseline = (report.get("baseline") or {}).get("overall") or {}
+    return {"decoder": "eyas", "seconds": time.perf_counter() - started, "log": str(log), "report": str(folder),
+            "target": {"tokens": baseline.get("tokens"), "tokens_per_s": baseline.get("tokens_per_s")},
+            **{name: decoded_figures(config) for name, config in zip(drafts, configs)}}
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -685,6 +818,13 @@ def differences(peer: dict) -> dict:
               "grad_clip": "speculators 1.0, eyas 0.5",
               "schedule_floor": "speculators cosine to 0, eyas to 0.1 x lr",
               "teacher_precision": "speculators bf16 features and autocast teacher, eyas fp32 teacher"}
+    if settings["speculator_type"] == "dspark":
+        return {**shared,
+                "lm_head": "both trained (a reduced draft vocabulary: speculators keeps a draft-vocabulary lm_head of its own)",
+                "loss": f"speculators {settings['loss_fn']} with CE against the target's argmax, eyas 0.1 CE against "
+                        "the data token + 0.9 TV; both + 1.0 BCE of the confidence towards 1 - TV, rows weighted exp(-k/4)",
+                "anchors": f"speculators up to {settings['max_anchors']} a step among the supervised positions of its "
+                           f"{settings['total_seq_len']}-token packed sequence (as many as it has), eyas every position"}
     if settings["speculator_type"] == "dflash":
         weighting = (f"exp(-(k-1)/{settings['dflash_decay_gamma']})" if settings["per_position_loss_weight"] == "fixed-exp-decay"
                      else f"{settings['per_position_loss_weight']} (alpha {settings['dpace_alpha']})")
@@ -700,7 +840,14 @@ def differences(peer: dict) -> dict:
 
 
 def like_for_like(args: argparse.Namespace, eyas_config: dict) -> list[str]:
-    if args.kind == "dflash":
+    decoder = "vLLM engine" if KINDS[args.kind].decoder == "vllm" else "eyas's decoder (one eval, target beside)"
+    if args.kind == "dspark":
+        architecture = (f"architecture: eyas's draft's {eyas_config['num_layers']} Qwen3-style layer(s), block of "
+                        f"{eyas_config['num_steps']} rows (the anchor's predicting), mask token "
+                        f"{eyas_config['mask_token_id']}, Markov rank {eyas_config['kind_options']['markov_rank']}, the "
+                        "confidence head on [hidden; Markov embedding]; both from a random init")
+        positions = "supervised tokens: token j+1 of row j where eyas's loss mask sets it (the peer's anchors among them)"
+    elif args.kind == "dflash":
         architecture = (f"architecture: eyas's draft's {eyas_config['num_layers']} Qwen3-style layer(s), block "
                         f"{eyas_config['num_steps'] + 1} (K={eyas_config['num_steps']}), mask token {eyas_config['mask_token_id']}")
         positions = "supervised tokens: token p where eyas's loss mask is set (the peer's anchors among them)"
@@ -709,7 +856,9 @@ def like_for_like(args: argparse.Namespace, eyas_config: dict) -> list[str]:
         positions = "supervised positions per step (checked on the first batch)"
     return ["samples and order (eyas TokenBudgetLoader)", "features (eyas ShardReader, fp8)",
             "teacher: target lm_head rows of the draft vocabulary over last_hidden", positions, architecture,
-            "steps, lr, warmup, cosine, token budget", "bf16 autocast on CPU", "vLLM engine, prompts, K, T=0"]
+            "steps, lr, warmup, cosine, token budget",
+            f"precision: the peer's features and autocast {args.peer_dtype}, eyas's train.mixed_precision as the "
+            "recipe sets it (auto: bf16 autocast only where the CPU runs bf16 natively)", f"{decoder}, prompts, K, T=0"]
 
 
 def replaced(kind: str) -> list[str]:
@@ -718,6 +867,10 @@ def replaced(kind: str) -> list[str]:
               "Trainer device cuda:local_rank -> cpu, autocast 'cuda' -> 'cpu'",
               "_StepTimer torch.accelerator.synchronize -> none",
               "verifier_norm -> Identity (eyas shards hold the post-norm last hidden state)"]
+    if kind == "dspark":
+        return [*common, "loss_mask[j] := eyas loss_mask[j+1] (row j scores the prediction of token j+1)",
+                "decoded by eyas's decoder, not served: vLLM 0.32 runs DSpark only on its V2 model runner, which "
+                "needs Triton; the peer's saved draft is read by eyas's reader of speculators' format"]
     if kind == "dflash":
         return [*common, "loss_mask as eyas's, unshifted (speculators' DFlash scores token p where mask[p] is set)",
                 "saved config sliding_window_non_causal -> true (vLLM 0.32 reads false as causal on every layer; "
@@ -816,9 +969,16 @@ def main(argv: list[str] | None = None) -> int:
         if found != args.kind:
             raise SystemExit(f"bench_peer_speculators: {name}'s checkpoint {training[name]['checkpoint']} is a {found} "
                              f"draft, but --kind is {args.kind}; give a {args.kind} checkpoint or --kind {found}")
-    exported = {name: export_draft(training[name]["checkpoint"], "vllm", work / f"export-{name}", dtype="float32",
-                                   speculative_tokens=args.k, target_path=target_dir) for name in ("eyas", *also)}
+    by_vllm = KINDS[args.kind].decoder == "vllm"
 
+    def decoded(checkpoint: str, name: str) -> str:
+        """What the decoder reads: vLLM an export of the checkpoint, eyas's decoder the checkpoint itself."""
+        if not by_vllm:
+            return checkpoint
+        return str(export_draft(checkpoint, "vllm", work / f"export-{name}", dtype="float32",
+                                speculative_tokens=args.k, target_path=target_dir))
+
+    drafts = {name: decoded(training[name]["checkpoint"], name) for name in ("eyas", *also)}
     if real_peer:
         spec = load_speculators(args.peers)
         print(f"bench_peer_speculators: training the speculators draft for {args.steps} steps", flush=True)
@@ -827,17 +987,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_peer_speculators: speculators: {peer['steps']} steps in {peer['train_s']:.0f} s "
               f"(median {peer['step_s_median']:.2f} s/step), last step {peer['last_step']}", flush=True)
         peer_draft = peer["checkpoint"]
+        if not by_vllm:
+            peer_draft = peer_as_eyas(peer["checkpoint"], eyas_config, target_dir, work, args.steps)
+            row = shards["train"].sample(0)["input_ids"][:128]
+            peer["read_back"] = read_back_check(spec[KINDS[args.kind].model], peer["checkpoint"], peer_draft,
+                                                target_dir, row)
+            print(f"bench_peer_speculators: eyas's read-back of the peer = speculators' own model of it on "
+                  f"{peer['read_back']['pairs']} (anchor, row) pairs (max logit difference "
+                  f"{peer['read_back']['max_abs_logit_diff']:.1e} of {peer['read_back']['max_abs_logit']:.1f})", flush=True)
     else:
         print(f"bench_peer_speculators: peer: {STAND_IN}", flush=True)
         training["speculators"] = peer = train_eyas(args, work, prefix="stand-in") | {"peer": STAND_IN}
-        peer_draft = str(export_draft(peer["checkpoint"], "vllm", work / "export-stand-in", dtype="float32",
-                                      speculative_tokens=args.k, target_path=target_dir))
-    drafts = {"eyas": str(exported["eyas"]), "speculators": peer_draft, **{name: str(exported[name]) for name in also}}
-    serving = serve(target_dir, drafts, groups, args, work)
+        peer_draft = decoded(peer["checkpoint"], "stand-in")
+    drafts = {"eyas": drafts.pop("eyas"), "speculators": peer_draft, **drafts}
+    serving = serve(target_dir, drafts, groups, args, work) if by_vllm else decode_in_eyas(drafts, args, work)
 
     report = {
         "serving": {name: serving[name] for name in drafts}, "training": training,
-        "vllm": {k: v for k, v in serving.items() if k not in drafts},
+        KINDS[args.kind].decoder: {k: v for k, v in serving.items() if k not in drafts},
         "drafts": drafts, "settings": vars(args),
         "prompts": {g["category"]: g["prompt_ids"] for g in groups},
         "kind": args.kind, "like_for_like": like_for_like(args, eyas_config),

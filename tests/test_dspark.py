@@ -228,6 +228,36 @@ def test_vllm_export_round_trips_and_vllm_parses_it(tmp_path, tiny_llama_dir):
     assert reloaded.config == head.config
 
 
+def test_a_draft_saved_as_speculators_saves_it_reads_back(tmp_path, tiny_llama_dir):
+    """speculators 0.9's own save_pretrained names its model class (DSparkDraftModel) as the architecture, writes
+    the layer's rotary settings only as transformers 5's rope_parameters, and has no `eyas` block: eyas's reader
+    takes such a folder (what bench_peer_speculators --kind dspark decodes) and gives the head's own logits."""
+    head, target, _ = _head(tiny_llama_dir, layers=1, reduced=True)
+    checkpoint = save_draft(tmp_path / "ckpt", head, {"step": 0, "target_path": str(tiny_llama_dir)})
+    out = export_draft(checkpoint, "vllm", tmp_path / "vllm", dtype="float32", speculative_tokens=STEPS)
+    config = json.loads((out / "config.json").read_text())
+    layer = config["transformer_layer_config"]
+    theta = layer.pop("rope_theta")
+    layer.pop("rope_scaling", None)
+    layer["rope_parameters"] = {"rope_theta": theta, "rope_type": "default"}
+    config["architectures"] = ["DSparkDraftModel"]
+    del config["eyas"]
+    (out / "config.json").write_text(json.dumps(config))
+    back = load_exported(out, target.get_input_embeddings().weight)
+    assert back.config.rope_parameters == head.config.rope_parameters
+    sequence = torch.randint(3, target.config.vocab_size, (16,), generator=torch.Generator().manual_seed(5))
+    features = _features(target, sequence, head.config.aux_layers)
+    with torch.inference_mode():
+        for (a, ca), (b, cb) in zip(block_steps(head, sequence[None], features[None], STEPS),
+                                    block_steps(back, sequence[None], features[None], STEPS)):
+            torch.testing.assert_close(a, b)
+            torch.testing.assert_close(ca, cb)
+    del layer["rope_parameters"]
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(EyasError, match="neither rope_theta nor rope_parameters.rope_theta"):
+        load_exported(out, target.get_input_embeddings().weight)
+
+
 # ----------------------------------------------------------------------------- chains cut by the confidence
 
 

@@ -151,6 +151,18 @@ def export_format(config: dict) -> str:
     return exported_kind(config)[1]
 
 
+def _rope_of(layer: dict) -> dict:
+    """A layer config's rotary settings: `rope_theta` and `rope_scaling` (as eyas writes them, beside the
+    other spelling), or only transformers 5's `rope_parameters` (as speculators' own save_pretrained writes)."""
+    if "rope_theta" in layer:
+        return {"rope_type": "default", "rope_theta": float(layer["rope_theta"]), **(layer.get("rope_scaling") or {})}
+    parameters = layer.get("rope_parameters") or {}
+    if "rope_theta" not in parameters:
+        raise EyasError("the exported layer config has neither rope_theta nor rope_parameters.rope_theta; "
+                        "the draft's rotary embedding cannot be rebuilt from it")
+    return {"rope_type": "default", **parameters, "rope_theta": float(parameters["rope_theta"])}
+
+
 def head_config_from_export(config: dict) -> dict:
     """Rebuild an eyas head config from an exported config.json (standard fields only)."""
     eyas = config.get("eyas") or {}
@@ -158,9 +170,7 @@ def head_config_from_export(config: dict) -> dict:
     fields = {**{name: False for name in variant_fields()}, **format_spec(kind, fmt).read_config(config)}
     layer, num_layers = fields.pop("layer"), fields.pop("num_layers")
     num_steps = fields.pop("num_steps", num_layers)  # a layer per step, unless the kind's layout says otherwise
-    rope = {"rope_type": "default", "rope_theta": float(layer["rope_theta"])}
-    if layer.get("rope_scaling"):
-        rope.update(layer["rope_scaling"])
+    rope = _rope_of(layer)
     bias = bool(layer.get("attention_bias", False))
     config = {
         "format": "eyas-draft", "format_version": HEAD_FORMAT_VERSION, "kind": kind,

@@ -138,7 +138,9 @@ EXPORT = KindExport(
     formats={"vllm": FormatSpec(VLLM_ARCHITECTURE, "dspark", _shapes, _vllm_config, prepare=_DFLASH_VLLM.prepare,
                                 restore=_DFLASH_SGLANG.restore, check_steps=_check_steps,
                                 read_config=_read_config, engine_model="Qwen3DSparkForCausalLM",
-                                engine_unchecked=_UNSERVED)},
+                                engine_unchecked=_UNSERVED,
+                                # speculators' own save_pretrained names its model class, not the config's default
+                                aliases=("DSparkDraftModel",))},
     from_target=dflash.EXPORT.from_target,
     check=dflash.EXPORT.check,
     default_steps=dflash.EXPORT.default_steps,
