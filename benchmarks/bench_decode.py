@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     from eyas.eval.drafts import make_draft
     from eyas.eval.prompts import Prompt
     from eyas.eval.runner import encode_prompts, evaluate
-    from eyas.eval.tree import parse_shape
+    from eyas.shapes import parse_shape
     from eyas.targets import load_target
 
     if args.threads > 0:

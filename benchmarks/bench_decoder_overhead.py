@@ -189,7 +189,7 @@ def main(argv=None) -> int:
     from eyas.decode import SamplingParams, stop_token_ids
     from eyas.eval.decoder import SpeculativeDecoder
     from eyas.eval.drafts import make_draft
-    from eyas.eval.tree import parse_shape
+    from eyas.shapes import parse_shape
 
     load_before = os.getloadavg()
     model, tokenizer, dtype = load_decode_target(args)

@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     from eyas.eval.drafts import make_draft
     from eyas.eval.prompts import load_prompts, render
     from eyas.eval.runner import EncodedPrompt, evaluate
-    from eyas.eval.tree import parse_shape
+    from eyas.shapes import parse_shape
     from eyas.targets import load_target
 
     if args.threads:

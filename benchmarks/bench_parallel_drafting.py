@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     from eyas.draft.checkpoint import read_draft_config
     from eyas.errors import EyasError
     from eyas.eval.drafts import make_draft
-    from eyas.eval.tree import parse_shape
+    from eyas.shapes import parse_shape
 
     if read_draft_config(args.draft)["kind"] != "peagle":
         raise EyasError(f"--draft {args.draft} is not a peagle draft: only a parallel drafter has mask slots to plan")

@@ -56,8 +56,9 @@ from eyas.eval.head_draft import (
     mask_slot_inputs,
 )
 from eyas.eval.kv import check_attention, layer_masks, row_invariant_attention
-from eyas.eval.tree import Expansion, Shape, Tree, confident_chain, tree_steps
+from eyas.eval.tree import Expansion, Tree, confident_chain, tree_steps
 from eyas.eval.verify import verify_greedy, verify_sampled
+from eyas.shapes import Shape
 
 # --------------------------------------------------------------------------------------------
 # The ragged cache

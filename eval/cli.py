@@ -33,8 +33,8 @@ from eyas.eval.prompts import load_prompts
 from eyas.eval.report import plot, print_report, write_json
 from eyas.eval.runner import encode_prompts, evaluate
 from eyas.eval.target_precision import EvalPrecision, choose
-from eyas.eval.tree import parse_shape
 from eyas.precision import native_bf16
+from eyas.shapes import parse_shape
 from eyas.stage_cli import stage_main, stage_parser
 from eyas.targets import load_target, resolve_target_path
 from eyas.train.checkpoint import best_checkpoint

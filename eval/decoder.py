@@ -33,8 +33,9 @@ from eyas.decode import (
 )
 from eyas.errors import EyasError
 from eyas.eval.kv import check_attention, keep_positions, row_invariant_attention, tree_mask
-from eyas.eval.tree import Shape, build_tree, confident_chain
+from eyas.eval.tree import build_tree, confident_chain
 from eyas.eval.verify import verify_greedy, verify_sampled
+from eyas.shapes import Shape
 
 
 @dataclass

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from eyas.config import Recipe
-from eyas.eval.tree import parse_shape
 from eyas.memory import CUDA_RUNTIME, DraftSize, Hardware, Need, Shapes, forward_bytes, target_bytes
+from eyas.shapes import parse_shape
 
 
 def eval_need(recipe: Recipe, config: Any, s: Shapes, d: DraftSize, hw: Hardware) -> Need:

@@ -27,7 +27,7 @@ from eyas.eval.batched import BatchedDecoder, batch_unsupported
 from eyas.eval.decoder import SpeculativeDecoder, max_context, target_decode, target_decode_batch
 from eyas.eval.metrics import BaselineTally, Tally, summarize
 from eyas.eval.prompts import Prompt, next_turn, render
-from eyas.eval.tree import Shape
+from eyas.shapes import Shape
 
 
 @dataclass

@@ -1,18 +1,6 @@
 """Draft shapes and the token tree the target verifies in one forward.
 
-Shapes (`parse_shape`):
-  chain:K                              K draft tokens in a line.
-  chain:K,confidence=C                 the chain cut after the deepest draft whose running product of
-                                       the draft's confidences (its probability that each draft so far
-                                       is accepted: DSpark's confidence head) is still >= C; at least
-                                       one draft (`confident_chain`). A draft without a confidence is
-                                       refused.
-  tree:[[0],[1],[0,0],[0,1],[1,0]]     a static tree: each path lists child ranks from the root
-                                       (rank r = the r-th best draft token at T=0, the r-th draw
-                                       without replacement at T>0); every prefix of a path must be
-                                       listed and sibling ranks must run 0, 1, 2, ... without gaps.
-  dynamic:depth=D,topk=K,nodes=N       EAGLE-2: expand the top-K children of the K best nodes (by
-                                       cumulative draft log-prob) for D levels, then keep the best N.
+Shapes are parsed in `eyas.shapes` (`parse_shape`), shared with the trainer's checkpoint choice.
 
 A built tree is held as flat lists in verify order: index 0 is the root (the last token
 already chosen, whose target KV is not cached yet), nodes 1..n follow with every parent
@@ -21,114 +9,14 @@ before its children, so `tokens` is exactly the target's input for the verify fo
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
 import torch
 
 from eyas.decode import SamplingParams, process_logits
-from eyas.errors import EyasError
 from eyas.eval.verify import draw_candidates
-
-SHAPE_HELP = ("use chain:K, chain:K,confidence=C, tree:[[0],[1],[0,0],...] or dynamic:depth=D,topk=K,nodes=N")
-
-
-@dataclass(frozen=True)
-class Shape:
-    kind: str                      # chain | tree | dynamic
-    spec: str                      # the text the user gave (labels in tables and plots)
-    depth: int
-    paths: tuple = ()              # static tree: sorted tuple of rank tuples
-    topk: int = 0                  # dynamic
-    nodes: int = 0                 # dynamic
-    # chain: verify only the drafts while the running product of the draft's confidences stays >= this (0: all K)
-    confidence: float = 0.0
-
-    @property
-    def max_nodes(self) -> int:
-        """Largest number of draft tokens a verify can carry (for context-length checks)."""
-        if self.kind == "chain":
-            return self.depth
-        if self.kind == "tree":
-            return len(self.paths)
-        return self.nodes
-
-
-def parse_shape(spec: str) -> Shape:
-    """Parse a shape string; EyasError (one line) on anything malformed."""
-    if not isinstance(spec, str) or ":" not in spec:
-        raise EyasError(f"unknown draft shape {spec!r}; {SHAPE_HELP}")
-    kind, _, body = spec.partition(":")
-    kind = kind.strip()
-    if kind == "chain":
-        depth, comma, rest = body.partition(",")
-        return Shape("chain", spec, depth=_positive_int(depth, spec, "K"), confidence=_confidence(comma + rest, spec))
-    if kind == "tree":
-        return _parse_static(spec, body)
-    if kind == "dynamic":
-        return _parse_dynamic(spec, body)
-    raise EyasError(f"unknown draft shape {spec!r}; {SHAPE_HELP}")
-
-
-def _positive_int(text: str, spec: str, what: str) -> int:
-    try:
-        value = int(text.strip())
-    except ValueError:
-        raise EyasError(f"draft shape {spec!r}: {what} must be a positive integer; {SHAPE_HELP}") from None
-    if value < 1:
-        raise EyasError(f"draft shape {spec!r}: {what} must be >= 1; {SHAPE_HELP}")
-    return value
-
-
-def _confidence(text: str, spec: str) -> float:
-    """The `,confidence=C` after a chain's K (0: none), C in (0, 1)."""
-    if not text:
-        return 0.0
-    key, sep, value = text[1:].partition("=")
-    try:
-        threshold = float(value)
-    except ValueError:
-        threshold = -1.0
-    if key.strip() != "confidence" or not sep or not 0 < threshold < 1:
-        raise EyasError(f"draft shape {spec!r}: a chain takes confidence=C after K, C in (0, 1); {SHAPE_HELP}")
-    return threshold
-
-
-def _parse_static(spec: str, body: str) -> Shape:
-    try:
-        raw = json.loads(body)
-    except json.JSONDecodeError:
-        raise EyasError(f"draft shape {spec!r}: the tree is not a JSON list of paths; {SHAPE_HELP}") from None
-    if not isinstance(raw, list) or not raw or not all(
-        isinstance(p, list) and p and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in p)
-        for p in raw
-    ):
-        raise EyasError(f"draft shape {spec!r}: give a non-empty list of non-empty lists of ranks >= 0; {SHAPE_HELP}")
-    paths = sorted({tuple(p) for p in raw}, key=lambda p: (len(p), p))
-    present = set(paths)
-    for path in paths:
-        if len(path) > 1 and path[:-1] not in present:
-            raise EyasError(f"draft shape {spec!r}: path {list(path)} has no parent {list(path[:-1])} in the tree")
-        if path[-1] > 0 and path[:-1] + (path[-1] - 1,) not in present:
-            raise EyasError(f"draft shape {spec!r}: path {list(path)} needs its elder sibling "
-                            f"{list(path[:-1] + (path[-1] - 1,))} (sibling ranks must run 0, 1, 2, ...)")
-    return Shape("tree", spec, depth=max(len(p) for p in paths), paths=tuple(paths))
-
-
-def _parse_dynamic(spec: str, body: str) -> Shape:
-    values: dict[str, int] = {}
-    for part in body.split(","):
-        key, sep, text = part.partition("=")
-        key = key.strip()
-        if not sep or key not in ("depth", "topk", "nodes"):
-            raise EyasError(f"draft shape {spec!r}: expected depth=D,topk=K,nodes=N; {SHAPE_HELP}")
-        values[key] = _positive_int(text, spec, key)
-    missing = {"depth", "topk", "nodes"} - set(values)
-    if missing:
-        raise EyasError(f"draft shape {spec!r}: missing {', '.join(sorted(missing))}; {SHAPE_HELP}")
-    return Shape("dynamic", spec, depth=values["depth"], topk=values["topk"], nodes=values["nodes"])
-
+from eyas.shapes import Shape
 
 # --------------------------------------------------------------------------------------------
 # The built tree

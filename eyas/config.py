@@ -32,6 +32,7 @@ from eyas.draft.kinds import check_option, check_variants, foreign_option, optio
 from eyas.draft.registry import KINDS, kind_rules
 from eyas.errors import EyasError
 from eyas.io import atomic_write_text
+from eyas.shapes import parse_shape
 from eyas.steering import parse_categories
 
 
@@ -250,6 +251,11 @@ class TrainConfig:
     eval_batches: int = _doc("Held-out micro-batches per evaluation.", 20)
     save_every: int = _doc("Checkpoint every N steps (0: only at the end).", 500)
     keep_last: int = _doc("Checkpoints kept (the best by held-out acceptance is kept besides).", 2)
+    select_shape: str = _doc(
+        "The draft shape `checkpoints/best` is chosen for: the checkpoint with the highest simulated acceptance of "
+        "this shape on the held-out shards (from the per-step ranks of the target's token among the draft's, up to "
+        "the unroll's depth); empty: the first of eval.shapes. The choice and its figure are recorded in best/'s "
+        "config.json meta (`selected_by`).", "")
     dist_timeout_s: int = _doc(
         "Seconds a collective may wait (the process group's timeout), and the bound on what the main process does "
         "alone while the others wait (sign, publish and prune a checkpoint, hash one before a resume, convert a "
@@ -548,6 +554,7 @@ def validate(recipe: Recipe) -> Recipe:
                         "position); set dump.teacher=last_hidden, or dump.backend=transformers")
     if not recipe.eval.shapes or not all(isinstance(s, str) for s in recipe.eval.shapes):
         raise EyasError(f"recipe key 'eval.shapes' must be a non-empty list of shape strings, got {recipe.eval.shapes!r}")
+    _check_select_shape(recipe)
     if not all(isinstance(d, str) and d for d in recipe.eval.drafts):
         raise EyasError(f"recipe key 'eval.drafts' must be a list of checkpoint folders or draft specs (truncated:N, "
                         f"mixture:LAM), got {recipe.eval.drafts!r}")
@@ -558,6 +565,15 @@ def validate(recipe: Recipe) -> Recipe:
         raise EyasError(f"recipe key 'run.name' must be a non-empty name without '/' (not . or ..), got {recipe.run.name!r}")
     check_mtp_unroll(recipe)  # here, not at train: `eyas prepare` refuses a bad mtp recipe before any work
     return recipe
+
+
+def _check_select_shape(recipe: Recipe) -> None:
+    """The shape `best/` is chosen for parses (the first of eval.shapes when train.select_shape is empty)."""
+    key = "train.select_shape" if recipe.train.select_shape else "eval.shapes"
+    try:
+        parse_shape(recipe.train.select_shape or recipe.eval.shapes[0])
+    except EyasError as exc:
+        raise EyasError(f"recipe key '{key}': {exc}") from None
 
 
 def _check_head_losses(kind: str, mix: dict[str, float]) -> None:

@@ -23,7 +23,7 @@ from eyas.draft.registry import build_head
 from eyas.errors import EyasError
 from eyas.eval.decoder import SpeculativeDecoder, target_generate
 from eyas.eval.head_draft import BlockDraft, load_head_draft
-from eyas.eval.tree import parse_shape
+from eyas.shapes import parse_shape
 from eyas.train.export import export_draft, load_exported
 from eyas.train.losses import Teacher
 from eyas.train.ttt import block_steps, unroll

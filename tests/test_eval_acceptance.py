@@ -8,7 +8,7 @@ from test_eval_exact import VOCAB, tiny_vocab_target
 from eyas.decode import SamplingParams
 from eyas.eval.decoder import SpeculativeDecoder
 from eyas.eval.drafts import MixtureDraft
-from eyas.eval.tree import parse_shape
+from eyas.shapes import parse_shape
 
 torch.set_num_threads(1)
 

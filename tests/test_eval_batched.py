@@ -33,7 +33,7 @@ from eyas.eval.drafts import LMDraft, truncated_target
 from eyas.eval.head_draft import load_head_draft
 from eyas.eval.prompts import Prompt
 from eyas.eval.runner import EncodedPrompt, evaluate
-from eyas.eval.tree import parse_shape
+from eyas.shapes import parse_shape
 
 torch.set_num_threads(1)
 GREEDY = SamplingParams(0.0)

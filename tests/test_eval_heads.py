@@ -21,7 +21,7 @@ from eyas.draft.registry import build_head, head_class
 from eyas.errors import EyasError
 from eyas.eval.decoder import SpeculativeDecoder, target_generate
 from eyas.eval.head_draft import load_head_draft
-from eyas.eval.tree import parse_shape
+from eyas.shapes import parse_shape
 from eyas.targets import load_target_config, target_identity
 
 torch.set_num_threads(1)

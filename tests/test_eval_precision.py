@@ -24,7 +24,7 @@ from eyas import precision
 from eyas.decode import SamplingParams, stop_token_ids
 from eyas.eval.decoder import SpeculativeDecoder, target_decode
 from eyas.eval.drafts import LMDraft, truncated_target
-from eyas.eval.tree import parse_shape
+from eyas.shapes import parse_shape
 
 torch.set_num_threads(1)
 GREEDY = SamplingParams(0.0)

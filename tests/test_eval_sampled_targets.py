@@ -23,8 +23,8 @@ from eyas.decode import SamplingParams, process_logits
 from eyas.eval import decoder as decoder_mod
 from eyas.eval.decoder import SpeculativeDecoder
 from eyas.eval.drafts import LMDraft, truncated_target
-from eyas.eval.tree import parse_shape
 from eyas.eval.verify import sample
+from eyas.shapes import parse_shape
 
 torch.set_num_threads(1)
 VOCAB = 16

@@ -22,7 +22,7 @@ from eyas.eval.decoder import SpeculativeDecoder, target_decode, target_generate
 from eyas.eval.drafts import LMDraft, truncated_target
 from eyas.eval.prompts import Prompt
 from eyas.eval.runner import EncodedPrompt, evaluate
-from eyas.eval.tree import parse_shape
+from eyas.shapes import parse_shape
 
 torch.set_num_threads(1)
 GREEDY = SamplingParams(0.0)

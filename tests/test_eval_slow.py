@@ -8,7 +8,7 @@ import torch
 from eyas.decode import SamplingParams, stop_token_ids
 from eyas.eval.decoder import SpeculativeDecoder, target_generate
 from eyas.eval.drafts import LMDraft, truncated_target
-from eyas.eval.tree import parse_shape
+from eyas.shapes import parse_shape
 
 GREEDY = SamplingParams(0.0)
 PROMPTS = ["Write a haiku about autumn leaves.", "How do I reverse a list in Python?",

@@ -6,7 +6,8 @@ import torch
 
 from eyas.decode import SamplingParams, cache_kwarg, new_cache
 from eyas.eval.kv import keep_positions, tree_mask
-from eyas.eval.tree import build_tree, new_tree, parse_shape
+from eyas.eval.tree import build_tree, new_tree
+from eyas.shapes import parse_shape
 
 torch.set_num_threads(1)
 

@@ -21,7 +21,7 @@ from eyas.draft.checkpoint import save_draft
 from eyas.eval.batched import BatchedDecoder
 from eyas.eval.decoder import SpeculativeDecoder, target_generate
 from eyas.eval.head_draft import head_draft, load_head_draft
-from eyas.eval.tree import parse_shape
+from eyas.shapes import parse_shape
 from eyas.train.export import export_draft, load_exported, serve_command
 from eyas.train.losses import Teacher
 from eyas.train.ttt import unroll

@@ -85,14 +85,38 @@ def test_best_and_last_checkpoints(workspace):
     best = max(evals, key=lambda e: e["sim_accept"])
     head, meta = load_draft(ckpts / "best")
     assert meta["step"] == best["step"] and meta["eval"]["sim_accept"] == pytest.approx(best["sim_accept"])
-    assert result["best_sim_accept"] == pytest.approx(best["sim_accept"])
+    assert result["best_score"] == pytest.approx(best["sim_accept"]) and result["best_by"] == "chain:5"
+    # chosen for the first of eval.shapes, chain:5, whose figure over the 3 unrolled steps is the chain figure
+    assert meta["selected_by"] == {"shape": "chain:5", "simulated_acceptance": pytest.approx(best["sim_accept"]),
+                                   "on": "heldout"}
     for e in evals:  # simulated acceptance is the sum of running products of the step accuracies
         run, total = 1.0, 0.0
         for k in range(3):
             run *= e[f"acc_{k}"]
             total += run
         assert e["sim_accept"] == pytest.approx(total)
+        # the rank-0 share of every step (the target's token ranked first by the draft) is its accuracy
+        assert e["select_shape"] == "chain:5" and e["select_accept"] == pytest.approx(e["sim_accept"])
     assert head.kind == "eagle3" and head.d2t is not None and head.lm_head.weight.shape[0] == 128
+
+
+def test_best_is_chosen_for_the_tree_it_serves(workspace):
+    """train.select_shape names a tree: best/ is the checkpoint whose held-out simulated acceptance of that tree
+    is highest, recorded in its meta; a 4-node tree over the draft's two best tokens a depth holds the 3-node chain,
+    so its figure is never below the chain's, and above it wherever the target's token is ever the draft's second."""
+    tree = "dynamic:depth=3,topk=2,nodes=4"
+    result = train(_recipe(workspace, "tree", "train.max_steps=7", "train.eval_every=2",
+                           f"train.select_shape={tree}"))
+    evals = _train_log(workspace["root"] / "tree", "eval")
+    best = max(evals, key=lambda e: e["select_accept"])
+    _, meta = load_draft(workspace["root"] / "tree" / "checkpoints" / "best")
+    assert meta["step"] == best["step"] and result["best_by"] == tree
+    assert meta["selected_by"] == {"shape": tree, "simulated_acceptance": pytest.approx(best["select_accept"]),
+                                   "on": "heldout"}
+    assert all(e["select_shape"] == tree and e["select_accept"] >= e["sim_accept"] - 1e-9 for e in evals)
+    assert any(e["select_accept"] > e["sim_accept"] + 1e-3 for e in evals)
+    with pytest.raises(EyasError, match="recipe key 'train.select_shape': unknown draft shape 'chain'"):
+        _recipe(workspace, "bad", "train.select_shape=chain")
 
 
 @pytest.mark.parametrize("kind", ["eagle", "mtp"])
@@ -240,6 +264,22 @@ def test_resume_applies_a_changed_learning_rate(workspace, capsys):
         assert lrs[step] == pytest.approx(reference[step] * 1e-2)
     saved = json.loads((resumed["checkpoint"] / "trainer.json").read_text())
     assert saved["train"]["lr"] == 1e-5  # recorded as applied
+
+
+def test_a_resume_choosing_for_another_shape_replaces_best_at_its_next_eval(workspace, capsys):
+    """best/ chosen for chain:5 before the stop; resumed with train.select_shape naming a tree, the trainer says so
+    and the next held-out eval chooses best/ for the tree, whatever the chain figure was."""
+    tree = "dynamic:depth=3,topk=2,nodes=4"
+    train(_recipe(workspace, "reselect"), stop_at_step=3)
+    _, before = load_draft(workspace["root"] / "reselect" / "checkpoints" / "best")
+    assert before["step"] == 3 and before["selected_by"]["shape"] == "chain:5"
+    resumed = train(_same(workspace, "reselect", f"train.select_shape={tree}"))
+    assert ("best/ was chosen by the simulated acceptance of chain:5; the next held-out eval chooses by "
+            f"{tree} (train.select_shape)") in capsys.readouterr().out
+    _, after = load_draft(workspace["root"] / "reselect" / "checkpoints" / "best")
+    last = _train_log(workspace["root"] / "reselect", "eval")[-1]
+    assert after["step"] == last["step"] == 6 and resumed["best_by"] == tree
+    assert after["selected_by"]["simulated_acceptance"] == pytest.approx(last["select_accept"])
 
 
 def test_resume_refuses_a_setting_it_cannot_apply(workspace):

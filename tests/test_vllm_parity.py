@@ -233,7 +233,7 @@ def _measure(drafts: dict[str, Path], dtype: str, out: Path, ks: dict[str, tuple
     from eyas.eval.drafts import make_draft
     from eyas.eval.engine_vllm import VllmRun, draft_run, offline_runs, parity_report, strip_eos
     from eyas.eval.runner import encode_prompts, evaluate
-    from eyas.eval.tree import parse_shape
+    from eyas.shapes import parse_shape
     from eyas.targets import load_target, resolve_target_path
     from eyas.train.export import export_draft
 

@@ -62,6 +62,7 @@ from eyas.draft.ttt_attention import dense_fallback_reason
 from eyas.errors import EyasError
 from eyas.io import fresh_partial, publish_dir, sha256_file
 from eyas.precision import mixed_precision_for
+from eyas.shapes import parse_shape, ranks_needed, simulated_acceptance
 from eyas.stage_cli import stage_main
 from eyas.targets import load_target, load_target_config, load_tokenizer, target_identity
 from eyas.train import checkpoint as ckpt
@@ -269,12 +270,13 @@ def _online_vocab(recipe: Recipe, reader: Any, vocab_size: int) -> torch.Tensor:
 class TrainState:
     step: int = 0
     tokens: int = 0
-    best_sim_accept: float = -1.0
+    best_score: float = -1.0  # the held-out figure `best/` was chosen by (`best_by`'s simulated acceptance)
+    best_by: str = ""         # the shape whose simulated acceptance chose `best/` (train.select_shape)
     best_step: int = -1
     last_eval: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {"step": self.step, "tokens": self.tokens, "best_sim_accept": self.best_sim_accept,
+        return {"step": self.step, "tokens": self.tokens, "best_score": self.best_score, "best_by": self.best_by,
                 "best_step": self.best_step, "last_eval": self.last_eval}
 
 
@@ -371,6 +373,8 @@ class Trainer:
         # EAGLE-1 trains one step (plus its feature regression); the held-out eval unrolls the full depth
         self.train_steps = self.kind_class.unroll_steps(self.cfg.ttt_steps)
         self.eval_steps = self.cfg.ttt_steps
+        # `best/` is the checkpoint whose held-out simulated acceptance of this shape is highest
+        self.select = parse_shape(self.cfg.select_shape or recipe.eval.shapes[0])
         # per-step layers past the unroll depth get no gradient while the depth ramps up (an unroll
         # shorter than an mtp draft's layers is refused by check_against_target)
         unused = self.kind_class.layout.weights_per_step and self.cfg.ttt_ramp_steps > 0
@@ -410,6 +414,7 @@ class Trainer:
         self.unread_tokens = torch.zeros((), dtype=torch.long, device=self.device)  # of the steps since their last read
         self.resumed_from: Path | None = None
         self.resume_changes: dict[str, tuple[Any, Any]] = {}
+        self.reselect: tuple[str, str] | None = None  # (the shape that chose best/, this run's) where they differ
 
     # -- build steps
 
@@ -580,6 +585,8 @@ class Trainer:
         reader = self.source.heldout_reader or self.source.train_reader
         mine, rounds, spare = self._eval_batches(reader)
         totals = Totals.zeros(steps, self.device)
+        width = ranks_needed(self.select)
+        by_rank = torch.zeros(steps, width + 1, device=self.device)
         self.model.eval()
         for index in range(rounds):
             # Every rank runs the same number of forwards (FSDP/ZeRO-3 gather weights collectively);
@@ -587,16 +594,21 @@ class Trainer:
             real = index < len(mine)
             batch = self._prepare_batch(read_batch(reader, mine[index] if real else spare))
             out = self.model(batch, self.teacher, steps, self.mix, token_feed=self.token_feed,
-                             teacher_top=self._reference_argmax(batch))
+                             teacher_top=self._reference_argmax(batch), ranks=width)
             if real:
                 totals.add(out)
+                by_rank += torch.stack(out["rank_counts"])
         self.model.train()
         totals = totals.reduced(self.accelerator)
+        by_rank = self.accelerator.reduce(by_rank, reduction="sum").cpu()
         counts = totals.counts.clamp(min=1.0)
         accuracy = [float(totals.correct[k] / counts[k]) for k in range(steps)]
         metrics = {f"acc_{k}": a for k, a in enumerate(accuracy)}
         metrics.update({f"loss_{k}": float(totals.loss[k] / counts[k]) for k in range(steps)})
         metrics["sim_accept"] = simulated_acceptance_length(accuracy)
+        rank_rates = [[float(by_rank[k, r] / counts[k]) for r in range(width)] for k in range(steps)]
+        metrics["select_shape"] = self.select.spec
+        metrics["select_accept"] = simulated_acceptance(self.select, rank_rates)
         metrics["positions"] = int(totals.counts.sum())
         metrics["split"] = "heldout" if self.source.heldout_reader is not None else "train-slice"
         return metrics
@@ -648,6 +660,9 @@ class Trainer:
         state_dict = head_state(saved_weights(acc, self.model, self.frozen_fp32))
         meta = {"step": self.state.step, "eval": self.state.last_eval, "run": self.recipe.run.name,
                 "tokens": self.state.tokens, "train_steps": self.train_steps, "ttt_steps": self.cfg.ttt_steps}
+        if best_only:  # what chose it
+            meta["selected_by"] = {"shape": self.state.best_by, "simulated_acceptance": self.state.best_score,
+                                   "on": self.state.last_eval.get("split")}
         if not best_only:
             acc.save_state(str(partial / "state"))
             rng = partial / "state" / f"random_states_{acc.process_index}.pkl"
@@ -701,7 +716,13 @@ class Trainer:
         self.resume_changes = changes
         self.loader.load_state_dict(position)
         self.position = self.loader.state_dict()
-        self.state = TrainState(step=saved["step"], tokens=saved["tokens"], best_sim_accept=saved["best_sim_accept"],
+        # checkpoints from before train.select_shape chose by the chain figure over the unroll's steps
+        best_by = saved.get("best_by", f"chain:{self.eval_steps}")
+        best_score = saved.get("best_score", saved.get("best_sim_accept", -1.0))
+        if best_by != self.select.spec:  # another figure chose best/: the next held-out eval replaces it
+            self.reselect = (best_by, self.select.spec)
+            best_score = -1.0
+        self.state = TrainState(step=saved["step"], tokens=saved["tokens"], best_score=best_score, best_by=best_by,
                                 best_step=saved["best_step"], last_eval=saved.get("last_eval", {}))
         self.resumed_from = latest
 
@@ -783,6 +804,9 @@ class Trainer:
             + (f"; resumed from {self.resumed_from} (step {self.state.step})" if self.resumed_from else ""))
         if self.resumed_from and self.resize:
             logger.message(f"eyas train: {self.resize.describe()}")
+        if self.resumed_from and self.reselect:
+            logger.message(f"eyas train: best/ was chosen by the simulated acceptance of {self.reselect[0]}; the next "
+                           f"held-out eval chooses by {self.reselect[1]} (train.select_shape)")
         if self.resumed_from and self.resume_changes:
             logger.message("eyas train: resumed with changed settings, applied from this step on: " + ", ".join(
                 f"{_key(k)} {old!r} -> {new!r}" for k, (old, new) in self.resume_changes.items()))
@@ -823,7 +847,8 @@ class Trainer:
             if self.source.features is not None:
                 self.source.features.close()
         return {"step": self.state.step, "outcome": outcome, "checkpoint": ckpt.latest_checkpoint(self.ckpt_root),
-                "best": ckpt.best_checkpoint(self.run_dir), "best_sim_accept": self.state.best_sim_accept,
+                "best": ckpt.best_checkpoint(self.run_dir), "best_score": self.state.best_score,
+                "best_by": self.state.best_by,
                 "last_eval": self.state.last_eval, "main_process_seconds": dict(self.rank_zero.seconds)}
 
     def _count_tokens(self, logger: Any) -> None:
@@ -846,10 +871,10 @@ class Trainer:
         self.state.last_eval = {**metrics, "step": self.state.step}
         logger.log(self.state.step, metrics, kind="eval")
         logger.message(f"eyas train: step {self.state.step} held-out ({metrics['split']}): simulated acceptance "
-                       f"{metrics['sim_accept']:.3f}, accuracy per step "
-                       + " ".join(f"{metrics[f'acc_{k}']:.3f}" for k in range(self.eval_steps)))
-        if metrics["sim_accept"] > self.state.best_sim_accept:
-            self.state.best_sim_accept = metrics["sim_accept"]
+                       f"{metrics['sim_accept']:.3f} (chain), {metrics['select_accept']:.3f} ({self.select.spec}), "
+                       "accuracy per step " + " ".join(f"{metrics[f'acc_{k}']:.3f}" for k in range(self.eval_steps)))
+        if metrics["select_accept"] > self.state.best_score:
+            self.state.best_score, self.state.best_by = metrics["select_accept"], self.select.spec
             self.state.best_step = self.state.step
             self.save(best_only=True)
 
@@ -876,9 +901,10 @@ def main(argv: list[str] | None = None) -> int:
         ran, result = stages.run("train", recipe, lambda: train(recipe), force=args.force,
                                  files=lambda r: [r["checkpoint"]], finished=lambda r: r["outcome"] == "done")
         if ran and int(os.environ.get("RANK", "0")) == 0:
-            best = f"{result['best_sim_accept']:.3f}" if result["best_sim_accept"] >= 0 else "n/a"
+            best = f"{result['best_score']:.3f}" if result["best_score"] >= 0 else "n/a"
             print(f"eyas train: {result['outcome']} at step {result['step']} in {result['seconds']:.0f} s; "
-                  f"newest checkpoint {result['checkpoint']}, best {result['best']} (simulated acceptance {best})")
+                  f"newest checkpoint {result['checkpoint']}, best {result['best']} (simulated acceptance "
+                  f"{best} of {result['best_by'] or 'n/a'})")
         return 0
 
     return stage_main("train", argv, body)

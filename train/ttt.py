@@ -64,13 +64,17 @@ class UnrollResult:
     loss_sums: list[torch.Tensor] = field(default_factory=list)  # weighted by loss_mask, with grad
     counts: list[torch.Tensor] = field(default_factory=list)     # sum of loss_mask over valid positions
     correct: list[torch.Tensor] = field(default_factory=list)    # draft argmax == teacher argmax
+    # per step, when counted (held-out eval): loss-masked positions by the reference token's rank in the draft's
+    # logits, [ranks + 1], the last bucket every rank >= ranks (and a reference outside the draft vocabulary)
+    rank_counts: list[torch.Tensor] = field(default_factory=list)
     feature_loss_sum: torch.Tensor | None = None                 # eagle: smooth-L1 to f_{t+1}
     first_hidden: torch.Tensor | None = None                     # step 0's output hidden, while the unroll runs
 
-    def add(self, scores: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
-        """Append one step's (loss sum, count, hits)."""
-        for totals, value in zip((self.loss_sums, self.counts, self.correct), scores):
-            totals.append(value)
+    def add(self, scores: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]) -> None:
+        """Append one step's (loss sum, count, hits, counts by rank or None)."""
+        for totals, value in zip((self.loss_sums, self.counts, self.correct, self.rank_counts), scores):
+            if value is not None:
+                totals.append(value)
 
 
 def default_token_feed(kind: str) -> str:
@@ -107,13 +111,14 @@ class _Targets:
     labels: torch.Tensor  # [B, T] the data's tokens as draft ids
     loss_mask: torch.Tensor  # [B, T] float
     mix: dict[str, float]
+    ranks: int = 0  # count positions by the reference's rank below this (0: not counted; see UnrollResult)
 
 
 def unroll(head: DraftHead, batch: dict, teacher: Teacher, steps: int, mix: dict[str, float],
            token_feed: str = "draft", feature_loss: bool = False, teacher_dist: TeacherDist | None = None,
-           teacher_top: torch.Tensor | None = None, checkpoint_steps: bool = False) -> UnrollResult:
+           teacher_top: torch.Tensor | None = None, checkpoint_steps: bool = False, ranks: int = 0) -> UnrollResult:
     """Run `steps` draft steps over a batch, as the head's layout drafts them, and return per-step loss sums,
-    counts and hits.
+    counts and hits (and with `ranks` > 0, positions by the reference token's rank: `UnrollResult.rank_counts`).
 
     `feature_loss`: also score the kind's loss on step 0's hidden (`DraftHead.feature_loss_sum`, EAGLE-1's
     feature regression) where it has one. `teacher_top` overrides the reference argmax for accuracy (held-out
@@ -128,7 +133,7 @@ def unroll(head: DraftHead, batch: dict, teacher: Teacher, steps: int, mix: dict
     if teacher_dist is None:
         teacher_dist = teacher_for(batch, teacher)
     targets = _Targets(teacher_dist, teacher_dist.top if teacher_top is None else teacher_top,
-                       teacher.to_draft_ids(batch["input_ids"]), loss_mask, mix)
+                       teacher.to_draft_ids(batch["input_ids"]), loss_mask, mix, ranks)
     out = SCORING[head.layout](head, batch, steps, targets, token_feed, checkpoint_steps)
     if feature_loss:
         out.feature_loss_sum = head.feature_loss_sum(out.first_hidden, batch.get("last_hidden"), loss_mask)
@@ -229,11 +234,11 @@ class TrainingUnroll(nn.Module):
         self.checkpoint_steps = checkpoint_steps  # train.checkpoint_unroll
 
     def forward(self, batch: dict, teacher: Teacher, steps: int, mix: dict, token_feed: str = "draft",
-                feature_loss: bool = False, teacher_top: torch.Tensor | None = None) -> dict:
+                feature_loss: bool = False, teacher_top: torch.Tensor | None = None, ranks: int = 0) -> dict:
         result = unroll(self.head, batch, teacher, steps, mix, token_feed=token_feed, feature_loss=feature_loss,
-                        teacher_top=teacher_top, checkpoint_steps=self.checkpoint_steps)
+                        teacher_top=teacher_top, checkpoint_steps=self.checkpoint_steps, ranks=ranks)
         return {"loss_sums": result.loss_sums, "counts": result.counts, "correct": result.correct,
-                "feature_loss_sum": result.feature_loss_sum}
+                "rank_counts": result.rank_counts, "feature_loss_sum": result.feature_loss_sum}
 
 
 def head_state(unroll_state: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
@@ -280,20 +285,33 @@ def _step_and_score(head: DraftHead, k: int, targets: _Targets, cache: TTTCache 
 
 
 def _score_step(k: int, logits, drafted, targets: _Targets, confidence: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Loss sum, count and hits of step k over slots 0..T-k-3 (views, no gather: masked slots weigh 0).
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Loss sum, count and hits of step k over slots 0..T-k-3 (views, no gather: masked slots weigh 0), and the
+    positions by the reference's rank when `targets.ranks` asks for them.
     `confidence`: the head's confidence logits [B, T] for the step, which the mix's `confidence` term trains."""
     seq = logits.shape[1]
     length = seq - k - 2  # slots whose predicted token x_{t+k+2} exists
     if length <= 0:
         zero = logits.new_zeros((), dtype=torch.float32)
-        return logits.sum() * 0.0, zero, zero  # the zero loss keeps every parameter in the graph (DDP)
+        by_rank = logits.new_zeros(targets.ranks + 1, dtype=torch.float32) if targets.ranks else None
+        return logits.sum() * 0.0, zero, zero, by_rank  # the zero loss keeps every parameter in the graph (DDP)
     weight = targets.loss_mask[:, k + 2:]
     span = slice(k + 1, seq - 1)  # teacher positions t+k+1 for slots t = 0..length-1
     losses = step_losses(logits[:, :length], targets.teacher.probs[:, span], targets.teacher.plogp[:, span],
                          targets.labels[:, k + 2:], targets.mix, None if confidence is None else confidence[:, :length])
     hits = (drafted[:, :length] == targets.top[:, span]).float()
-    return (losses * weight).sum(), weight.sum(), (hits * weight).sum()
+    by_rank = _by_rank(logits[:, :length].detach(), targets.top[:, span], weight, targets.ranks) if targets.ranks else None
+    return (losses * weight).sum(), weight.sum(), (hits * weight).sum(), by_rank
+
+
+def _by_rank(logits: torch.Tensor, reference: torch.Tensor, weight: torch.Tensor, ranks: int) -> torch.Tensor:
+    """[ranks + 1] weighted positions by the reference token's rank among the draft's logits (the number of
+    draft tokens scored strictly above it), every rank >= `ranks` and a reference outside the draft vocabulary
+    (-1) in the last bucket."""
+    scored = logits.gather(-1, reference.clamp(min=0).unsqueeze(-1))
+    rank = (logits > scored).sum(-1).clamp(max=ranks)
+    rank = torch.where(reference < 0, ranks, rank)
+    return weight.new_zeros(ranks + 1, dtype=torch.float32).index_add_(0, rank.flatten(), weight.flatten().float())
 
 
 def simulated_acceptance_length(step_accuracy: list[float]) -> float:
