@@ -190,6 +190,17 @@ def test_recipe_gives_dspark_its_published_training():
         from_dict({"draft": {"kind": "dspark", "num_steps": 4}, "train": {"ttt_steps": 2}})
 
 
+def _assert_same_blocks(head, back, target, seed: int) -> None:
+    """`back` (a read-back export of `head`) gives the head's own logits and confidences on a random row."""
+    sequence = torch.randint(3, target.config.vocab_size, (16,), generator=torch.Generator().manual_seed(seed))
+    features = _features(target, sequence, head.config.aux_layers)
+    with torch.inference_mode():
+        for (a, ca), (b, cb) in zip(block_steps(head, sequence[None], features[None], STEPS),
+                                    block_steps(back, sequence[None], features[None], STEPS)):
+            torch.testing.assert_close(a, b)
+            torch.testing.assert_close(ca, cb)
+
+
 def test_vllm_export_round_trips_and_vllm_parses_it(tmp_path, tiny_llama_dir):
     """`eyas export --to vllm` writes speculators' dspark format: vLLM's own speculators reader turns it into its
     DSpark model config (block K, the anchor sampled, the Markov rank, the confidence head on [h; W1]) and a dspark
@@ -214,14 +225,7 @@ def test_vllm_export_round_trips_and_vllm_parses_it(tmp_path, tiny_llama_dir):
     assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight",
             "confidence_head.proj.bias", "lm_head.weight", "d2t", "fc.weight"} <= names
     assert not {"embed_tokens.weight", "mask_embedding"} & names and not list(out.glob("*.pt"))
-    back = load_exported(out, target.get_input_embeddings().weight)
-    sequence = torch.randint(3, target.config.vocab_size, (16,), generator=torch.Generator().manual_seed(4))
-    features = _features(target, sequence, head.config.aux_layers)
-    with torch.inference_mode():
-        for (a, ca), (b, cb) in zip(block_steps(head, sequence[None], features[None], STEPS),
-                                    block_steps(back, sequence[None], features[None], STEPS)):
-            torch.testing.assert_close(a, b)
-            torch.testing.assert_close(ca, cb)
+    _assert_same_blocks(head, load_exported(out, target.get_input_embeddings().weight), target, seed=4)
     with pytest.raises(EyasError, match="trained with blocks of 3 drafts"):
         export_draft(checkpoint, "vllm", tmp_path / "deep", dtype="float32", speculative_tokens=STEPS + 1)
     reloaded, _ = load_draft(checkpoint)
@@ -245,13 +249,7 @@ def test_a_draft_saved_as_speculators_saves_it_reads_back(tmp_path, tiny_llama_d
     (out / "config.json").write_text(json.dumps(config))
     back = load_exported(out, target.get_input_embeddings().weight)
     assert back.config.rope_parameters == head.config.rope_parameters
-    sequence = torch.randint(3, target.config.vocab_size, (16,), generator=torch.Generator().manual_seed(5))
-    features = _features(target, sequence, head.config.aux_layers)
-    with torch.inference_mode():
-        for (a, ca), (b, cb) in zip(block_steps(head, sequence[None], features[None], STEPS),
-                                    block_steps(back, sequence[None], features[None], STEPS)):
-            torch.testing.assert_close(a, b)
-            torch.testing.assert_close(ca, cb)
+    _assert_same_blocks(head, back, target, seed=5)
     del layer["rope_parameters"]
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(EyasError, match="neither rope_theta nor rope_parameters.rope_theta"):
