@@ -817,7 +817,8 @@ def differences(peer: dict) -> dict:
               "optimizer": f"speculators {settings['optimizer']} (wd {settings['weight_decay']}), eyas AdamW betas (0.9, 0.95) wd 0",
               "grad_clip": "speculators 1.0, eyas 0.5",
               "schedule_floor": "speculators cosine to 0, eyas to 0.1 x lr",
-              "teacher_precision": "speculators bf16 features and autocast teacher, eyas fp32 teacher"}
+              "teacher_precision": f"speculators {settings['hidden_states_dtype']} features and teacher (autocast in bf16), "
+                                   "eyas fp32 teacher"}
     if settings["speculator_type"] == "dspark":
         return {**shared,
                 "lm_head": "both trained (a reduced draft vocabulary: speculators keeps a draft-vocabulary lm_head of its own)",
