@@ -759,7 +759,7 @@ def decode_in_eyas(drafts: dict[str, str], args: argparse.Namespace, work: Path)
                                    for p in chosen_prompts(args)))
     folder = work / "eyas-eval"
     shutil.rmtree(folder, ignore_errors=True)
-    command = [sys.executable, "-m", "eyas.cli", "eval", str(recipe), "run.name=decode", f"eval.prompts={prompt_file}",
+    command = [sys.executable, "-m", "eyas.cli", "eval", str(recipe), f"eval.prompts={prompt_file}",
                "eval.max_prompts=0", f"eval.max_new_tokens={args.max_new_tokens}", "eval.temperature=0",
                "eval.engine=builtin", f"eval.output={folder}", "eval.shapes=" + json.dumps([f"chain:{args.k}"]),
                "eval.drafts=" + json.dumps(list(drafts.values()))]
