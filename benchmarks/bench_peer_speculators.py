@@ -695,40 +695,31 @@ def figures(counts: dict) -> dict:
 # ----------------------------------------------------------------------------- eyas's decoder
 
 
-def peer_as_eyas(peer_dir: str, eyas_config: dict, target_dir: str, work: Path, steps: int) -> str:
+def peer_as_eyas(peer_dir: str, eyas_config: dict, target, work: Path, steps: int) -> str:
     """The peer's saved draft as an eyas checkpoint for `eyas eval`: read by eyas's reader of speculators'
     format (`load_exported`: every tensor as speculators saved it, refused if one is missing or extra; the
     embedding the target's, which speculators also rebuilds from the verifier), with eyas's record of the
     target (identity, model type), which speculators does not write."""
-    from transformers import AutoModelForCausalLM
-
     from eyas.draft.checkpoint import save_draft
     from eyas.train.export import load_exported
 
-    as_read = work / "peer-as-read"
-    shutil.rmtree(as_read, ignore_errors=True)
-    shutil.copytree(peer_dir, as_read)
-    config = json.loads((as_read / "config.json").read_text())
-    config["eyas"] = {**{key: eyas_config[key] for key in ("kind", "target_identity", "target_model_type",
-                                                            "initializer_range")}, "format": "vllm"}
-    (as_read / "config.json").write_text(json.dumps(config, indent=2))
-    embedding = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).get_input_embeddings().weight
-    head = load_exported(as_read, embedding.detach())
+    head = load_exported(peer_dir, target.get_input_embeddings().weight.detach())
+    head.config = dataclasses.replace(head.config, target_identity=eyas_config["target_identity"],
+                                      target_model_type=eyas_config["target_model_type"])
     out = work / "runs" / f"speculators-{steps}" / "checkpoints" / f"step_{steps:08d}"
     shutil.rmtree(out, ignore_errors=True)
     return str(save_draft(out, head, meta={"source": str(peer_dir), "read_by": "eyas.train.export.load_exported"}))
 
 
-def read_back_check(peer_class, peer_dir: str, checkpoint: str, target_dir: str, input_ids: torch.Tensor) -> dict:
-    """speculators' own model of the peer's saved folder against eyas's read-back of it on one token row: the
-    logits and confidences of every (anchor, block row) pair (crossload_speculators.py's comparison)."""
+def read_back_check(peer_class, peer_dir: str, checkpoint: str, target, input_ids: torch.Tensor) -> dict:
+    """speculators' own model of the peer's saved folder against eyas's read-back of it (the checkpoint `eyas
+    eval` reads) on one token row: the logits and confidences of every (anchor, block row) pair
+    (crossload_speculators.py's comparison)."""
     from crossload_speculators import compare_sequence, load_peer, summary
-    from transformers import AutoModelForCausalLM
 
     from eyas.draft.checkpoint import load_draft
 
     head, _ = load_draft(checkpoint)
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     peer = {"kind": "speculators", "model": load_peer(peer_class, Path(peer_dir))}
     found = summary([compare_sequence(head, target, peer, input_ids[None], int(head.config.num_steps))], atol=1e-4)
     if not found["equal"]:
@@ -989,10 +980,14 @@ def main(argv: list[str] | None = None) -> int:
               f"(median {peer['step_s_median']:.2f} s/step), last step {peer['last_step']}", flush=True)
         peer_draft = peer["checkpoint"]
         if not by_vllm:
-            peer_draft = peer_as_eyas(peer["checkpoint"], eyas_config, target_dir, work, args.steps)
+            from transformers import AutoModelForCausalLM
+
+            target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+            peer_draft = peer_as_eyas(peer["checkpoint"], eyas_config, target, work, args.steps)
             row = shards["train"].sample(0)["input_ids"][:128]
             peer["read_back"] = read_back_check(spec[KINDS[args.kind].model], peer["checkpoint"], peer_draft,
-                                                target_dir, row)
+                                                target, row)
+            del target
             print(f"bench_peer_speculators: eyas's read-back of the peer = speculators' own model of it on "
                   f"{peer['read_back']['pairs']} (anchor, row) pairs (max logit difference "
                   f"{peer['read_back']['max_abs_logit_diff']:.1e} of {peer['read_back']['max_abs_logit']:.1f})", flush=True)

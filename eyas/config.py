@@ -32,7 +32,7 @@ from eyas.draft.kinds import check_option, check_variants, foreign_option, optio
 from eyas.draft.registry import KINDS, kind_rules
 from eyas.errors import EyasError
 from eyas.io import atomic_write_text
-from eyas.shapes import parse_shape
+from eyas.shapes import Shape, parse_shape
 from eyas.steering import parse_categories
 
 
@@ -554,7 +554,7 @@ def validate(recipe: Recipe) -> Recipe:
                         "position); set dump.teacher=last_hidden, or dump.backend=transformers")
     if not recipe.eval.shapes or not all(isinstance(s, str) for s in recipe.eval.shapes):
         raise EyasError(f"recipe key 'eval.shapes' must be a non-empty list of shape strings, got {recipe.eval.shapes!r}")
-    _check_select_shape(recipe)
+    selected_shape(recipe)  # parses, or names the key
     if not all(isinstance(d, str) and d for d in recipe.eval.drafts):
         raise EyasError(f"recipe key 'eval.drafts' must be a list of checkpoint folders or draft specs (truncated:N, "
                         f"mixture:LAM), got {recipe.eval.drafts!r}")
@@ -567,11 +567,11 @@ def validate(recipe: Recipe) -> Recipe:
     return recipe
 
 
-def _check_select_shape(recipe: Recipe) -> None:
-    """The shape `best/` is chosen for parses (the first of eval.shapes when train.select_shape is empty)."""
+def selected_shape(recipe: Recipe) -> Shape:
+    """The shape `checkpoints/best` is chosen for: train.select_shape, else the first of eval.shapes."""
     key = "train.select_shape" if recipe.train.select_shape else "eval.shapes"
     try:
-        parse_shape(recipe.train.select_shape or recipe.eval.shapes[0])
+        return parse_shape(recipe.train.select_shape or recipe.eval.shapes[0])
     except EyasError as exc:
         raise EyasError(f"recipe key '{key}': {exc}") from None
 

@@ -130,20 +130,29 @@ def ranks_needed(shape: Shape) -> int:
     return shape.topk if shape.kind == "dynamic" else 1
 
 
+def simulated_acceptance_length(step_accuracy: list[float]) -> float:
+    """sum over k of the product of per-step accuracies up to k (expected accepted drafts, chain, greedy)."""
+    total, running = 0.0, 1.0
+    for acc in step_accuracy:
+        running *= acc
+        total += running
+    return total
+
+
 def simulated_acceptance(shape: Shape, rank_rates: list[list[float]]) -> float:
     """Expected drafts accepted per verify at T=0, when at depth k the target's token is the draft's rank-r
     token with probability `rank_rates[k][r]` (r < `ranks_needed(shape)`), each depth independent of the ones
     before; depths past the rates' are not counted (a draft trained `train.ttt_steps` deep is not scored deeper).
 
-    chain:K (a confidence cut included, which only shortens it): the sum over d of the product of the first d
-    rank-0 rates, the figure `train.ttt.simulated_acceptance_length` gives. A static tree: the sum over its
+    chain:K (a confidence cut included, which only shortens it): `simulated_acceptance_length` of the rank-0
+    rates (the per-step accuracies). A static tree: the sum over its
     paths of the product of each depth's rate at the path's rank (the target's path matches at most one node a
     depth). dynamic: the best tree of N nodes, K children a node, D deep under the same rates, which a dynamic
     tree gets on average where its own ordering of the nodes matches these rates.
     """
     depth = min(shape.depth, len(rank_rates))
     if shape.kind == "chain":
-        return _tree_value([(0,) * d for d in range(1, depth + 1)], rank_rates)
+        return simulated_acceptance_length([rates[0] for rates in rank_rates[:depth]])
     if shape.kind == "tree":
         return _tree_value([p for p in shape.paths if len(p) <= depth], rank_rates)
     return sum(_best_nodes(rank_rates[:depth], shape.topk, shape.nodes))

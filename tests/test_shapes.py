@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from eyas.shapes import parse_shape, ranks_needed, simulated_acceptance
-from eyas.train.ttt import _by_rank, simulated_acceptance_length
+from eyas.shapes import parse_shape, ranks_needed, simulated_acceptance, simulated_acceptance_length
+from eyas.train.ttt import _by_rank
 
 RATES = [[0.5, 0.2, 0.1, 0.05], [0.4, 0.25, 0.1, 0.05], [0.3, 0.2, 0.15, 0.1]]
 

@@ -8,8 +8,9 @@ import torch
 from train_helpers import draft_cfg, synthetic_batch, tiny_d2t, tiny_target_config
 
 from eyas.draft.registry import build_head
+from eyas.shapes import simulated_acceptance_length
 from eyas.train.losses import Teacher
-from eyas.train.ttt import simulated_acceptance_length, step_counts, unroll
+from eyas.train.ttt import step_counts, unroll
 
 MIX = {"forward_kl": 1.0}
 

@@ -49,7 +49,7 @@ from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwar
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from eyas import stages
-from eyas.config import Recipe, check_against_target, parse_loss_mix, save_resolved
+from eyas.config import Recipe, check_against_target, parse_loss_mix, save_resolved, selected_shape
 from eyas.cpus import threads_per_process
 from eyas.data.batches import budget_batches
 from eyas.data.prepare import load_prepared
@@ -62,7 +62,7 @@ from eyas.draft.ttt_attention import dense_fallback_reason
 from eyas.errors import EyasError
 from eyas.io import fresh_partial, publish_dir, sha256_file
 from eyas.precision import mixed_precision_for
-from eyas.shapes import parse_shape, ranks_needed, simulated_acceptance
+from eyas.shapes import ranks_needed, simulated_acceptance, simulated_acceptance_length
 from eyas.stage_cli import stage_main
 from eyas.targets import load_target, load_target_config, load_tokenizer, target_identity
 from eyas.train import checkpoint as ckpt
@@ -74,7 +74,7 @@ from eyas.train.memory import refuse_if_too_big, sharding_of
 from eyas.train.metrics import MetricsLogger, tracker_settings
 from eyas.train.online import OnlineFeatures, PreparedReader
 from eyas.train.rank_zero import RankZeroWork
-from eyas.train.ttt import TrainingUnroll, default_token_feed, head_state, simulated_acceptance_length, step_counts
+from eyas.train.ttt import TrainingUnroll, default_token_feed, head_state, step_counts
 
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
 
@@ -374,7 +374,7 @@ class Trainer:
         self.train_steps = self.kind_class.unroll_steps(self.cfg.ttt_steps)
         self.eval_steps = self.cfg.ttt_steps
         # `best/` is the checkpoint whose held-out simulated acceptance of this shape is highest
-        self.select = parse_shape(self.cfg.select_shape or recipe.eval.shapes[0])
+        self.select = selected_shape(recipe)
         # per-step layers past the unroll depth get no gradient while the depth ramps up (an unroll
         # shorter than an mtp draft's layers is refused by check_against_target)
         unused = self.kind_class.layout.weights_per_step and self.cfg.ttt_ramp_steps > 0
@@ -663,7 +663,7 @@ class Trainer:
         if best_only:  # what chose it
             meta["selected_by"] = {"shape": self.state.best_by, "simulated_acceptance": self.state.best_score,
                                    "on": self.state.last_eval.get("split")}
-        if not best_only:
+        else:
             acc.save_state(str(partial / "state"))
             rng = partial / "state" / f"random_states_{acc.process_index}.pkl"
             ckpt.write_json(partial / f"loader_rank{acc.process_index}.json",

@@ -312,12 +312,3 @@ def _by_rank(logits: torch.Tensor, reference: torch.Tensor, weight: torch.Tensor
     rank = (logits > scored).sum(-1).clamp(max=ranks)
     rank = torch.where(reference < 0, ranks, rank)
     return weight.new_zeros(ranks + 1, dtype=torch.float32).index_add_(0, rank.flatten(), weight.flatten().float())
-
-
-def simulated_acceptance_length(step_accuracy: list[float]) -> float:
-    """sum over k of the product of per-step accuracies up to k (expected accepted drafts, chain, greedy)."""
-    total, running = 0.0, 1.0
-    for acc in step_accuracy:
-        running *= acc
-        total += running
-    return total
