@@ -1,0 +1,138 @@
+"""Study data kept in the repository: a run's prepared conversations (tokens, loss masks, messages), so a study
+starts at the dump instead of regenerating its replies through the target (10 minutes for the quickstart's
+620 on a 2-core CPU; the widened set's 2,200 took 50 minutes on an AMX machine and would take hours on an
+AVX2-only one).
+
+    python benchmarks/study_data.py restore quickstart --run runs/quickstart   # then: eyas dump runs/quickstart/recipe.yaml
+    python benchmarks/study_data.py pack runs/quickstart --name quickstart --recipe recipes/quickstart.yaml
+    python benchmarks/study_data.py check quickstart                           # the archive against its manifest
+
+A set is two files under `benchmarks/data/`: `<name>.tar.xz`, the run's `prepared/` folder as `eyas prepare`
+wrote it (the `datasets` splits, info.json, skipped.json and its stage record; not its tokenizer cache), and
+`<name>.json`, its manifest: the archive's sha256, each file's sha256 and size, the recipe that prepared it
+(written to the run as `recipe.yaml` on restore) and the split sizes. `restore` refuses an archive or a file
+whose checksum differs, and a run folder that already holds prepared data; the restored prepare record is
+current for the recipe (`eyas prepare` on it does nothing), so `eyas dump` reads it as its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import sys
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "benchmarks" / "data"
+SKIPPED_PARTS = (".cache",)  # the tokenizer's map cache: rebuilt on demand, and 6x the data's size
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _prepared_files(prepared: Path) -> list[Path]:
+    return sorted(p for p in prepared.rglob("*")
+                  if p.is_file() and not set(p.relative_to(prepared).parts) & set(SKIPPED_PARTS))
+
+
+def pack(run: Path, name: str, recipe: Path, out: Path = DATA) -> dict:
+    """Write `<out>/<name>.tar.xz` and its manifest from `run`'s prepared folder; returns the manifest."""
+    prepared = run / "prepared"
+    if not (prepared / "stage.json").is_file():
+        sys.exit(f"study_data: no finished prepare in {prepared} (no stage.json); run `eyas prepare` first")
+    files = _prepared_files(prepared)
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:xz") as archive:
+        for path in files:  # fixed owner and times: the same folder packs to the same bytes
+            info = archive.gettarinfo(str(path), arcname=str(Path("prepared") / path.relative_to(prepared)))
+            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+            archive.addfile(info, path.open("rb"))
+    blob = buffer.getvalue()
+    info_json = json.loads((prepared / "info.json").read_text())
+    manifest = {
+        "name": name, "archive": f"{name}.tar.xz", "sha256": sha256(blob), "bytes": len(blob),
+        "files": {str(p.relative_to(prepared)): {"sha256": sha256(p.read_bytes()), "bytes": p.stat().st_size}
+                  for p in files},
+        "splits": info_json.get("splits", {}), "tokenizer_identity": info_json.get("tokenizer_identity"),
+        "recipe": recipe.read_text(),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / manifest["archive"]).write_bytes(blob)
+    (out / f"{name}.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def load_manifest(name: str, data: Path = DATA) -> dict:
+    path = data / f"{name}.json"
+    if not path.is_file():
+        known = sorted(p.stem for p in data.glob("*.json"))
+        sys.exit(f"study_data: no study data set '{name}' in {data}; sets: {', '.join(known) or 'none'}")
+    return json.loads(path.read_text())
+
+
+def checked_archive(manifest: dict, data: Path = DATA) -> bytes:
+    """The archive's bytes, refused unless their sha256 is the manifest's."""
+    blob = (data / manifest["archive"]).read_bytes()
+    if sha256(blob) != manifest["sha256"]:
+        sys.exit(f"study_data: {data / manifest['archive']} does not match its manifest's sha256 "
+                 f"({sha256(blob)[:12]} != {manifest['sha256'][:12]}): the file is damaged or was replaced; "
+                 "restore it from git (git checkout -- benchmarks/data)")
+    return blob
+
+
+def restore(name: str, run: Path, data: Path = DATA) -> Path:
+    """Unpack the set into `run/prepared` (and its recipe into `run/recipe.yaml`), every file checked."""
+    manifest = load_manifest(name, data)
+    blob = checked_archive(manifest, data)
+    prepared = run / "prepared"
+    if prepared.exists():
+        sys.exit(f"study_data: {prepared} exists; restore into a new run folder (or remove it first)")
+    with tarfile.open(fileobj=io.BytesIO(blob), mode="r:xz") as archive:
+        members = archive.getmembers()
+        names = {m.name.removeprefix("prepared/") for m in members}
+        if names != set(manifest["files"]) or not all(m.isfile() and ".." not in Path(m.name).parts for m in members):
+            sys.exit(f"study_data: {manifest['archive']} holds other files than its manifest lists")
+        for member in members:
+            body = archive.extractfile(member).read()
+            relative = member.name.removeprefix("prepared/")
+            if sha256(body) != manifest["files"][relative]["sha256"]:
+                sys.exit(f"study_data: {relative} in {manifest['archive']} does not match its manifest's sha256")
+            target = prepared / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(body)
+    (run / "recipe.yaml").write_text(manifest["recipe"])
+    return prepared
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("pack", help="archive a run's prepared data as a study data set")
+    p.add_argument("run", type=Path)
+    p.add_argument("--name", required=True)
+    p.add_argument("--recipe", type=Path, required=True, help="the recipe that prepared it (restored as recipe.yaml)")
+    r = sub.add_parser("restore", help="unpack a study data set into a run folder")
+    r.add_argument("name")
+    r.add_argument("--run", type=Path, required=True)
+    c = sub.add_parser("check", help="check a set's archive against its manifest")
+    c.add_argument("name")
+    args = parser.parse_args()
+    if args.command == "pack":
+        manifest = pack(args.run, args.name, args.recipe)
+        print(f"study_data: {DATA / manifest['archive']} ({manifest['bytes']:,} bytes, sha256 {manifest['sha256']}): "
+              f"{len(manifest['files'])} files, splits {manifest['splits']}")
+    elif args.command == "restore":
+        prepared = restore(args.name, args.run)
+        print(f"study_data: {args.name} restored into {prepared}; next: eyas dump {args.run / 'recipe.yaml'}")
+    else:
+        manifest = load_manifest(args.name)
+        checked_archive(manifest)
+        print(f"study_data: {manifest['archive']} matches its manifest (sha256 {manifest['sha256']})")
+
+
+if __name__ == "__main__":
+    main()
