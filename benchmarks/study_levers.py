@@ -17,13 +17,17 @@ Eval decodes every draft of a group in one process, interleaved prompt by prompt
 categories of `benchmarks/prompts/broad.jsonl` (both turns of the two-turn ones): the eagle3
 variants with `chain:4`, the 3-layer mtp heads beside the eagle3 base with `chain:3`, and the
 head kinds side by side (`kinds`: eagle3, mtp, peagle, dflash and dspark, each from its best start) with
-`chain:3`. `--vllm` also serves every draft a plain vLLM serves (all but mtp and dspark) through
+`chain:3`, and the tree-aware variants (`tree*`: eagle3 from the target's last layer, chosen for a 3-deep dynamic
+tree of width 4, with each tree lever and without, two seeds) on that tree (`tree`) and on `chain:3`
+(`tree-chain`). `--vllm` also serves every draft a plain vLLM serves (all but mtp and dspark) through
 `eval.engine=vllm`: vLLM's τ and speedup over its own target alone, beside eyas's. Each row also
 has the draft's time per round and its share of the decode. Results go to
 benchmarks/results/study_levers.{json,md}, with a `BENCH` line per variant, group and suite.
 
     python benchmarks/study_levers.py --data runs/quickstart --only init-target mtp3-target peagle dflash dspark \
         --groups kinds --vllm --tag kinds
+    python benchmarks/study_levers.py --data runs/quickstart --only tree tree-s1 tree-topk tree-topk-s1 \
+        tree-sibling tree-sibling-s1 tree-align tree-align-s1 --groups tree tree-chain --tag tree
 `--smoke` runs the same stages on a tiny quickstart run it prepares and dumps itself (tests/fixtures.py's
 tiny target): `base` for 2 steps, the eagle3 group, 4 prompts of 8 tokens per suite; everything,
 results included, goes to a temp folder (or --out).
@@ -46,6 +50,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 BROAD = ROOT / "benchmarks" / "prompts" / "broad.jsonl"
 
+# the tree the tree-aware variants are chosen for and measured on (3 deep: the unroll's depth)
+TREE = "dynamic:depth=3,topk=4,nodes=12"
 # variant -> overrides of the base run's recipe (besides train.max_steps and the run name)
 VARIANTS = {
     "base": [],
@@ -75,6 +81,13 @@ VARIANTS = {
     "dflash": ["draft.kind=dflash", "draft.num_steps=3", "train.draft_init=target_last_layer"],
     # DSpark: 3 drafts per block as dflash's 3 mask slots, its published loss (its registry line's defaults)
     "dspark": ["draft.kind=dspark", "draft.num_steps=3", "train.draft_init=target_last_layer"],
+    # training for a tree (issue: tree-aware objective): eagle3 from the target's last layer, every variant chosen
+    # for and measured on the same dynamic tree (its width 4 is each lever's); `-s1` variants: the same at run.seed=1
+    **{f"tree{lever}{seed}": ["train.draft_init=target_last_layer", f"train.select_shape={TREE}", *overrides,
+                              *(["run.seed=1"] if seed else [])]
+       for lever, overrides in (("", []), ("-topk", ["train.loss=forward_kl:1,topk:1"]),
+                                ("-sibling", ["train.sibling_feed=true"]), ("-align", ["train.align_mask=true"]))
+       for seed in ("", "-s1")},
 }
 PER_CATEGORY = 2
 EVAL_TOKENS = 40
@@ -90,9 +103,12 @@ def kind_of(name: str) -> str:
 KINDS_SIDE_BY_SIDE = ("init-target", "mtp3-target", "peagle", "dflash", "dspark")
 # eval groups: the eagle3 variants drafting 4 deep; the 3-layer mtp heads (which cannot go deeper)
 # beside the eagle3 base, all 3 deep; the four kinds 3 deep (dflash's 3 mask slots)
-GROUPS = {"eagle3": ("chain:4", lambda name: kind_of(name) == "eagle3"),
+GROUPS = {"eagle3": ("chain:4", lambda name: kind_of(name) == "eagle3" and not name.startswith("tree")),
           "depth3": ("chain:3", lambda name: kind_of(name) == "mtp" or name == "base"),
-          "kinds": ("chain:3", lambda name: name in KINDS_SIDE_BY_SIDE)}
+          "kinds": ("chain:3", lambda name: name in KINDS_SIDE_BY_SIDE),
+          # training for a tree: its variants on the tree they were chosen for, and on a chain as deep
+          "tree": (TREE, lambda name: name.startswith("tree")),
+          "tree-chain": ("chain:3", lambda name: name.startswith("tree"))}
 
 
 def eyas(stage: str, recipe: Path, overrides: list[str], log: Path) -> float:
@@ -182,7 +198,9 @@ def held_out(run: Path) -> dict:
     """The trainer's last held-out evaluation (simulated acceptance, per-step accuracy)."""
     rows = [json.loads(line) for line in (run / "logs" / "metrics.jsonl").read_text().splitlines() if line.strip()]
     last = [r for r in rows if r.get("kind") == "eval"][-1]
-    return {"sim_accept": last["sim_accept"], "accuracy": [last[k] for k in sorted(last) if k.startswith("acc_")]}
+    return {"sim_accept": last["sim_accept"], "accuracy": [last[k] for k in sorted(last) if k.startswith("acc_")],
+            **{key: last[key] for key in ("select_shape", "select_accept", "cover_width") if key in last},
+            "cover": [last[k] for k in sorted(last) if k.startswith("cover_") and k != "cover_width"]}
 
 
 def stage_report(out: Path, names: list[str], steps: int, timings: dict, tag: str = "", results: Path = RESULTS) -> dict:
@@ -245,7 +263,9 @@ def markdown(rows: list[dict]) -> str:
         speed = f"{r.get('speedup_chat') or nan:.2f}x"
         if "vllm_speedup_chat" in r:
             speed += f" / {r['vllm_speedup_chat'] or nan:.2f}x ({r['vllm_tau_chat']:.3f})"
-        lines.append(f"| {r['group']} | {r['variant']} | {r['shape']} | {r['sim_accept']:.3f} | {r.get('tau_chat', nan):.3f} | "
+        # the held-out figure of the group's shape: the tree's where the variant was chosen for it, else the chain's
+        held = r["select_accept"] if r.get("select_shape") == r["shape"] else r["sim_accept"]
+        lines.append(f"| {r['group']} | {r['variant']} | {r['shape']} | {held:.3f} | {r.get('tau_chat', nan):.3f} | "
                      f"{r.get('tau_broad', nan):.3f} | {low[0]} {low[1]:.2f} | {draft} | {speed} | {r['train_s'] or 0:.0f} |")
     return "\n".join(lines) + "\n"
 

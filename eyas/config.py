@@ -29,10 +29,10 @@ from typing import Any
 import yaml
 
 from eyas.draft.kinds import check_option, check_variants, foreign_option, option_fields
-from eyas.draft.registry import KINDS, kind_rules
+from eyas.draft.registry import KINDS, head_class, kind_rules
 from eyas.errors import EyasError
 from eyas.io import atomic_write_text
-from eyas.shapes import Shape, parse_shape
+from eyas.shapes import Shape, parse_shape, ranks_needed
 from eyas.steering import parse_categories
 
 
@@ -236,7 +236,8 @@ class TrainConfig:
         "random (normal(0, initializer_range)) or target_last_layer: the draft's decoder layer(s) start from the "
         "target's last decoder layer where shapes allow (attention, MLP, norms; eagle3's q/k/v in their feature half).",
         "random")
-    loss: str = _doc("Distribution loss: forward_kl, ce, tv, jsd, lk (-log of the acceptance rate), "
+    loss: str = _doc("Distribution loss: forward_kl, ce, tv, jsd, lk (-log of the acceptance rate), topk (HASS's "
+                     "top-K distillation: -sum p log q over the teacher's train.tree_width most likely tokens), "
                      "or a mix like `forward_kl:0.9,ce:0.1`; `confidence` (BCE of a confidence head towards the "
                      "step's acceptance rate) for a kind that has one (dspark).", "forward_kl")
     feature_loss_weight: float = _doc("eagle: weight of the smooth-L1 feature regression.", 1.0)
@@ -256,6 +257,19 @@ class TrainConfig:
         "this shape on the held-out shards (from the per-step ranks of the target's token among the draft's, up to "
         "the unroll's depth); empty: the first of eval.shapes. The choice and its figure are recorded in best/'s "
         "config.json meta (`selected_by`).", "")
+    tree_width: int = _doc(
+        "The width of the tree the tree-aware levers train for (the `topk` loss term's K, train.sibling_feed, "
+        "train.align_mask): how many of the draft's ranks a tree drafts from at a depth; 0: train.select_shape's "
+        "(1 for a chain, K for dynamic:...,topk=K).", 0)
+    sibling_feed: bool = _doc(
+        "Unroll along the branch a tree of train.tree_width continues: a step reads the target's token where it was "
+        "among the previous step's top-W drafts, else the draft's own first choice (the draft feed). For a kind whose "
+        "unrolled steps read the drafted token (eagle, eagle3; mtp with ttt_token_feed: draft). Off until measured "
+        "(docs/results.md).", False)
+    align_mask: bool = _doc(
+        "GRIFFIN's alignment mask: a slot's step k is scored only while the target's token was among the draft's "
+        "top train.tree_width at every earlier step of that slot (a position no tree of that width reaches trains "
+        "nothing); the loss keeps the full mask's normalisation. Off until measured (docs/results.md).", False)
     dist_timeout_s: int = _doc(
         "Seconds a collective may wait (the process group's timeout), and the bound on what the main process does "
         "alone while the others wait (sign, publish and prune a checkpoint, hash one before a resume, convert a "
@@ -374,7 +388,7 @@ CHOICES = {
     "eval.target_dtype": ("auto", "fp32", "bf16"),
     "export.dtype": ("bfloat16", "float16", "float32"),
 }
-LOSS_NAMES = ("forward_kl", "ce", "tv", "jsd", "lk", "confidence")
+LOSS_NAMES = ("forward_kl", "ce", "tv", "jsd", "lk", "topk", "confidence")
 # loss terms that score a part only some heads have: a kind lists those it trains in `KindRules.losses`
 HEAD_LOSSES = ("confidence",)
 
@@ -384,7 +398,7 @@ _POSITIVE = ["train.lr", "train.token_budget", "train.grad_accum", "train.ttt_st
              "dump.shard_tokens", "dump.vllm_tensor_parallel_size",
              "dump.topk", "eval.max_new_tokens", "eval.answer_tokens", "data.self_prompt_temperature", "train.epochs",
              "train.keep_last", "train.eval_batches", "eval.batch_size", "train.dist_timeout_s"]
-_NON_NEGATIVE = ["train.ttt_ramp_steps", "train.loader_workers",
+_NON_NEGATIVE = ["train.ttt_ramp_steps", "train.loader_workers", "train.tree_width",
                  "train.prefetch", "train.max_steps", "data.max_turns", "train.warmup_steps", "train.weight_decay", "train.max_grad_norm",
                  "train.eval_every", "train.save_every", "train.feature_loss_weight", "data.max_samples", "data.self_prompts",
                  "data.self_prompt_top_k", "data.regenerate_temperature", "dump.draft_vocab_size", "draft.intermediate_size",
@@ -555,6 +569,7 @@ def validate(recipe: Recipe) -> Recipe:
     if not recipe.eval.shapes or not all(isinstance(s, str) for s in recipe.eval.shapes):
         raise EyasError(f"recipe key 'eval.shapes' must be a non-empty list of shape strings, got {recipe.eval.shapes!r}")
     selected_shape(recipe)  # parses, or names the key
+    _check_tree_levers(recipe)
     if not all(isinstance(d, str) and d for d in recipe.eval.drafts):
         raise EyasError(f"recipe key 'eval.drafts' must be a list of checkpoint folders or draft specs (truncated:N, "
                         f"mixture:LAM), got {recipe.eval.drafts!r}")
@@ -574,6 +589,28 @@ def selected_shape(recipe: Recipe) -> Shape:
         return parse_shape(recipe.train.select_shape or recipe.eval.shapes[0])
     except EyasError as exc:
         raise EyasError(f"recipe key '{key}': {exc}") from None
+
+
+def tree_width(recipe: Recipe) -> int:
+    """The width the tree-aware levers train for: train.tree_width, else the select shape's."""
+    return recipe.train.tree_width or ranks_needed(selected_shape(recipe))
+
+
+def _check_tree_levers(recipe: Recipe) -> None:
+    """Refuse a sibling feed where it would change nothing: a width of 1 (the draft feed itself), or an unroll
+    whose steps do not read the token the step before drafted (imports the kind only when the key is set)."""
+    train, kind = recipe.train, recipe.draft.kind
+    if not train.sibling_feed or kind not in KINDS:
+        return
+    if tree_width(recipe) == 1:
+        raise EyasError("train.sibling_feed follows the target's token where it is among the draft's top W, but W "
+                        "is 1 (train.tree_width 0 and a chain to select for), which is the draft feed itself; set "
+                        "train.tree_width to the served tree's width, or train.select_shape to that tree")
+    feed = train.ttt_token_feed if train.ttt_token_feed != "auto" else head_class(kind).default_token_feed
+    if not KINDS[kind].layout.reads_drafted_token or feed != "draft":
+        reads = "the data's tokens (ttt_token_feed: data)" if feed != "draft" else f"no drafted token ({KINDS[kind].layout})"
+        raise EyasError(f"train.sibling_feed chooses the token an unrolled step reads, but a {kind} draft's steps "
+                        f"read {reads}; set train.sibling_feed: false")
 
 
 def _check_head_losses(kind: str, mix: dict[str, float]) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from eyas.shapes import parse_shape, ranks_needed, simulated_acceptance, simulated_acceptance_length
-from eyas.train.ttt import _by_rank
+from eyas.train.ttt import _by_rank, _reference_rank
 
 RATES = [[0.5, 0.2, 0.1, 0.05], [0.4, 0.25, 0.1, 0.05], [0.3, 0.2, 0.15, 0.1]]
 
@@ -63,7 +63,7 @@ def test_positions_are_counted_by_the_target_tokens_rank_among_the_drafts():
     reference = torch.randint(0, 12, (2, 9), generator=generator)
     reference[0, 3] = -1  # outside the draft vocabulary: never ranked
     weight = (torch.rand(2, 9, generator=generator) > 0.3).float()
-    counts = _by_rank(logits, reference, weight, ranks=3)
+    counts = _by_rank(_reference_rank(logits, reference), weight, ranks=3)
     expected = torch.zeros(4)
     for b, t in itertools.product(range(2), range(9)):
         ref = int(reference[b, t])

@@ -16,6 +16,7 @@ from train_helpers import make_workspace, new_run
 from eyas.config import load_recipe
 from eyas.draft.checkpoint import load_draft
 from eyas.errors import EyasError
+from eyas.shapes import parse_shape, simulated_acceptance
 from eyas.train.checkpoint import list_checkpoints
 from eyas.train.data import check_shards_fit
 from eyas.train.loop import train
@@ -102,8 +103,9 @@ def test_best_and_last_checkpoints(workspace):
 
 def test_best_is_chosen_for_the_tree_it_serves(workspace):
     """train.select_shape names a tree: best/ is the checkpoint whose held-out simulated acceptance of that tree
-    is highest, recorded in its meta; a 4-node tree over the draft's two best tokens a depth holds the 3-node chain,
-    so its figure is never below the chain's, and above it wherever the target's token is ever the draft's second."""
+    is highest, recorded in its meta; the figure is the tree's under the logged rank rates (measured along the
+    branch the tree continues; its first depth is the chain's step 0), above the chain's where the target's token
+    is the draft's second choice often enough."""
     tree = "dynamic:depth=3,topk=2,nodes=4"
     result = train(_recipe(workspace, "tree", "train.max_steps=7", "train.eval_every=2",
                            f"train.select_shape={tree}"))
@@ -113,7 +115,11 @@ def test_best_is_chosen_for_the_tree_it_serves(workspace):
     assert meta["step"] == best["step"] and result["best_by"] == tree
     assert meta["selected_by"] == {"shape": tree, "simulated_acceptance": pytest.approx(best["select_accept"]),
                                    "on": "heldout"}
-    assert all(e["select_shape"] == tree and e["select_accept"] >= e["sim_accept"] - 1e-9 for e in evals)
+    for e in evals:
+        rates = [[e[f"rank_rate_{k}_{r}"] for r in range(2)] for k in range(3)]
+        assert e["select_shape"] == tree
+        assert e["select_accept"] == pytest.approx(simulated_acceptance(parse_shape(tree), rates))
+        assert rates[0][0] == pytest.approx(e["acc_0"])
     assert any(e["select_accept"] > e["sim_accept"] + 1e-3 for e in evals)
     with pytest.raises(EyasError, match="recipe key 'train.select_shape': unknown draft shape 'chain'"):
         _recipe(workspace, "bad", "train.select_shape=chain")

@@ -50,8 +50,9 @@ def draft_cfg(kind: str, **kw) -> DraftConfig:
     return draft_config(kind=kind, **kw)
 
 
-def make_workspace(root, target, rows: int = 48) -> dict:
-    """Prepare and dump `rows` chitchat conversations on a tiny target (bf16, eagle3 layers + last hidden)."""
+def make_workspace(root, target, rows: int = 48, *overrides: str) -> dict:
+    """Prepare and dump `rows` chitchat conversations on a tiny target (bf16, eagle3 layers + last hidden);
+    `overrides` replace the recipe's keys below."""
     import json
 
     from eyas.config import load_recipe
@@ -64,7 +65,7 @@ def make_workspace(root, target, rows: int = 48) -> dict:
     recipe = load_recipe(None, [
         f"target.path={target}", f"run.output_dir={root}", "dump.draft_vocab_size=128",
         f"data.source={root / 'rows.jsonl'}", "data.max_length=96", "data.heldout_fraction=0.1",
-        "dump.shard_tokens=2000", "dump.token_budget=400", "dump.encoding=bf16", "run.name=base"])
+        "dump.shard_tokens=2000", "dump.token_budget=400", "dump.encoding=bf16", "run.name=base", *overrides])
     prepare(recipe)
     dump(recipe)
     return {"root": root, "target": target}

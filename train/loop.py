@@ -49,7 +49,7 @@ from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwar
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from eyas import stages
-from eyas.config import Recipe, check_against_target, parse_loss_mix, save_resolved, selected_shape
+from eyas.config import Recipe, check_against_target, parse_loss_mix, save_resolved, selected_shape, tree_width
 from eyas.cpus import threads_per_process
 from eyas.data.batches import budget_batches
 from eyas.data.prepare import load_prepared
@@ -74,7 +74,7 @@ from eyas.train.memory import refuse_if_too_big, sharding_of
 from eyas.train.metrics import MetricsLogger, tracker_settings
 from eyas.train.online import OnlineFeatures, PreparedReader
 from eyas.train.rank_zero import RankZeroWork
-from eyas.train.ttt import TrainingUnroll, default_token_feed, head_state, step_counts
+from eyas.train.ttt import TrainingUnroll, TreeLevers, default_token_feed, head_state, step_counts
 
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
 
@@ -398,6 +398,12 @@ class Trainer:
         self.teacher = self._build_teacher(head, lm_head)
         self.mix = parse_loss_mix(self.cfg.loss)
         self.token_feed = default_token_feed(self.kind) if self.cfg.ttt_token_feed == "auto" else self.cfg.ttt_token_feed
+        self.levers = TreeLevers(tree_width(recipe), follow=self.cfg.sibling_feed, align=self.cfg.align_mask)
+        # the held-out eval measures a tree's rates along the branch the tree continues (where the unroll reads its
+        # drafted tokens), in a second pass beside the chain's
+        width = ranks_needed(self.select)
+        self.eval_tree = TreeLevers(width, follow=True) if (
+            width > 1 and self.token_feed == "draft" and self.kind_class.layout.reads_drafted_token) else None
         self.weights = [self.cfg.ttt_decay ** k for k in range(self.train_steps)]
         self.loader = self.make_loader(self.source.train_reader, shuffle=True)
         optimizer = self._build_optimizer(head)
@@ -520,7 +526,8 @@ class Trainer:
         for index, (batch, _) in enumerate(micro):
             batch = self._prepare_batch(batch)
             with acc.accumulate(self.model):
-                out = self.model(batch, self.teacher, steps, self.mix, token_feed=self.token_feed, feature_loss=True)
+                out = self.model(batch, self.teacher, steps, self.mix, token_feed=self.token_feed, feature_loss=True,
+                                 levers=self.levers)
                 loss = sum(w * s / c for w, s, c in zip(self.weights, out["loss_sums"], counts)) * scale
                 if out["feature_loss_sum"] is not None:
                     loss = loss + self.cfg.feature_loss_weight * out["feature_loss_sum"] / counts[0] * scale
@@ -586,21 +593,28 @@ class Trainer:
         mine, rounds, spare = self._eval_batches(reader)
         totals = Totals.zeros(steps, self.device)
         width = ranks_needed(self.select)
+        chain = TreeLevers(self.levers.width)  # the draft's own path (its first choices): the chain's figures, the cover
         by_rank = torch.zeros(steps, width + 1, device=self.device)
+        cover = torch.zeros(steps, device=self.device)
         self.model.eval()
         for index in range(rounds):
             # Every rank runs the same number of forwards (FSDP/ZeRO-3 gather weights collectively);
             # a rank short of batches repeats one and discards the result.
             real = index < len(mine)
             batch = self._prepare_batch(read_batch(reader, mine[index] if real else spare))
+            reference = self._reference_argmax(batch)
             out = self.model(batch, self.teacher, steps, self.mix, token_feed=self.token_feed,
-                             teacher_top=self._reference_argmax(batch), ranks=width)
+                             teacher_top=reference, ranks=width, levers=chain)
+            ranked = out if self.eval_tree is None else self.model(
+                batch, self.teacher, steps, self.mix, token_feed=self.token_feed, teacher_top=reference, ranks=width,
+                levers=self.eval_tree)
             if real:
                 totals.add(out)
-                by_rank += torch.stack(out["rank_counts"])
+                cover += torch.stack(out["cover_sums"])
+                by_rank += torch.stack(ranked["rank_counts"])
         self.model.train()
         totals = totals.reduced(self.accelerator)
-        by_rank = self.accelerator.reduce(by_rank, reduction="sum").cpu()
+        by_rank, cover = (self.accelerator.reduce(t, reduction="sum").cpu() for t in (by_rank, cover))
         counts = totals.counts.clamp(min=1.0)
         accuracy = [float(totals.correct[k] / counts[k]) for k in range(steps)]
         metrics = {f"acc_{k}": a for k, a in enumerate(accuracy)}
@@ -609,6 +623,9 @@ class Trainer:
         rank_rates = [[float(by_rank[k, r] / counts[k]) for r in range(width)] for k in range(steps)]
         metrics["select_shape"] = self.select.spec
         metrics["select_accept"] = simulated_acceptance(self.select, rank_rates)
+        metrics.update({f"rank_rate_{k}_{r}": rate for k, rates in enumerate(rank_rates) for r, rate in enumerate(rates)})
+        metrics.update({f"cover_{k}": float(cover[k] / counts[k]) for k in range(steps)})
+        metrics["cover_width"] = self.levers.width
         metrics["positions"] = int(totals.counts.sum())
         metrics["split"] = "heldout" if self.source.heldout_reader is not None else "train-slice"
         return metrics

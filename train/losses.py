@@ -15,6 +15,9 @@ Per-position losses over the draft vocabulary, p = teacher, q = draft:
   lk          -log sum min(p, q): minus the log of the one-step acceptance rate of speculative
               sampling (sum min(p, q) = 1 - tv), the direct acceptance objective published as an
               "LK loss"; forward KL pulls q towards p everywhere, this only where q is below p
+  topk        -sum over the teacher's K most likely tokens of p log q (HASS's top-K distillation): the
+              teacher's head, where a tree of width K drafts from, weighed again; K = the tree width
+              (`train.tree_width`)
   confidence  BCE between a head's confidence c (the probability it gives that its draft is accepted;
               DSpark's confidence head) and 1 - tv of its logits against the teacher, detached: the
               acceptance rate of that step; only for a head with a confidence (`KindRules.losses`)
@@ -70,12 +73,29 @@ def negative_log_acceptance(teacher_logp: torch.Tensor, draft_logq: torch.Tensor
     return -torch.log(accept.clamp_min(torch.finfo(accept.dtype).tiny))
 
 
+def top_k_distillation(teacher_probs: torch.Tensor, draft_logq: torch.Tensor, k: int) -> torch.Tensor:
+    """-sum over the teacher's k most likely tokens of p log q (the rest of the vocabulary does not count)."""
+    p, ids = teacher_probs.topk(min(k, teacher_probs.shape[-1]), dim=-1)
+    return -(p * draft_logq.gather(-1, ids)).sum(-1)
+
+
 LOSSES = {"forward_kl": forward_kl, "tv": total_variation, "jsd": jensen_shannon, "lk": negative_log_acceptance}
 
 
+def _term(name: str, teacher_probs: torch.Tensor, teacher_logp: torch.Tensor, draft_logq: torch.Tensor,
+          labels: torch.Tensor, topk: int) -> torch.Tensor:
+    """One loss term per position (every term but forward KL's fused path and the confidence's)."""
+    if name == "ce":
+        return hard_ce(draft_logq, labels)
+    if name == "topk":
+        return top_k_distillation(teacher_probs, draft_logq, topk)
+    return LOSSES[name](teacher_logp, draft_logq)
+
+
 def position_losses(draft_logits: torch.Tensor, teacher_logp: torch.Tensor, labels: torch.Tensor,
-                    mix: dict[str, float] | str) -> torch.Tensor:
-    """The weighted loss mix per position: [N, V] logits and teacher log-probs -> [N] (fp32)."""
+                    mix: dict[str, float] | str, topk: int = 1) -> torch.Tensor:
+    """The weighted loss mix per position: [N, V] logits and teacher log-probs -> [N] (fp32); `topk`: the
+    `topk` term's K."""
     if isinstance(mix, str):
         mix = parse_loss_mix(mix)
     logq = F.log_softmax(draft_logits.float(), dim=-1)
@@ -83,8 +103,7 @@ def position_losses(draft_logits: torch.Tensor, teacher_logp: torch.Tensor, labe
     for name, weight in mix.items():
         if weight == 0:
             continue
-        term = hard_ce(logq, labels) if name == "ce" else LOSSES[name](teacher_logp, logq)
-        total = total + weight * term
+        total = total + weight * _term(name, teacher_logp.exp(), teacher_logp, logq, labels, topk)
     return total
 
 
@@ -134,11 +153,11 @@ def confidence_loss(confidence: torch.Tensor, teacher_logp: torch.Tensor, draft_
 
 
 def step_losses(logits: torch.Tensor, probs: torch.Tensor, plogp: torch.Tensor, labels: torch.Tensor,
-                mix: dict[str, float], confidence: torch.Tensor | None = None) -> torch.Tensor:
+                mix: dict[str, float], confidence: torch.Tensor | None = None, topk: int = 1) -> torch.Tensor:
     """The loss mix per position for [..., V] draft logits against a teacher slice; [...] fp32.
 
     forward_kl goes through the fused soft cross-entropy; the others use the definitions above. `confidence`:
-    the head's confidence logits [...], which a `confidence` term needs.
+    the head's confidence logits [...], which a `confidence` term needs; `topk`: the `topk` term's K.
     """
     total = torch.zeros(logits.shape[:-1], dtype=torch.float32, device=logits.device)
     generic = {name: w for name, w in mix.items() if w and name not in ("forward_kl", "confidence")}
@@ -153,8 +172,7 @@ def step_losses(logits: torch.Tensor, probs: torch.Tensor, plogp: torch.Tensor, 
         logq = F.log_softmax(logits.float(), dim=-1)
         logp = torch.log(probs)
         for name, weight in generic.items():
-            term = hard_ce(logq, labels) if name == "ce" else LOSSES[name](logp, logq)
-            total = total + weight * term
+            total = total + weight * _term(name, probs, logp, logq, labels, topk)
         if mix.get("confidence"):
             total = total + mix["confidence"] * confidence_loss(confidence, logp, logq)
     return total

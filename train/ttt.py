@@ -26,6 +26,11 @@ step (mtp, above). A head that drafts a whole block in one forward (the block la
 unrolled: its `training_rows` give every step at once (step k at slot t is the k-th predicting row of the block
 anchored at x_{t+1}, so it predicts x_{t+k+2} too), and `_block` scores them as the steps are scored.
 
+Training for a tree (`TreeLevers`, docs/stages.md): with `follow`, step k+1 at slot t reads the target's token
+where it ranked below the tree's width W among step k's drafts (the branch a tree verify continues), else the
+draft's argmax; with `align` (GRIFFIN's mask), step k at slot t is scored only while every earlier step of slot t
+ranked the target's token below W. The `topk` loss term's K is W too.
+
 Gradients flow through the fed hidden state (step k's loss reaches the weights through
 steps 0..k-1); the fed token is an argmax and carries none.
 
@@ -67,12 +72,15 @@ class UnrollResult:
     # per step, when counted (held-out eval): loss-masked positions by the reference token's rank in the draft's
     # logits, [ranks + 1], the last bucket every rank >= ranks (and a reference outside the draft vocabulary)
     rank_counts: list[torch.Tensor] = field(default_factory=list)
+    # per step, when counted (held-out eval): the teacher's probability on the draft's top-W tokens, summed over the
+    # loss-masked positions (W: `TreeLevers.width`)
+    cover_sums: list[torch.Tensor] = field(default_factory=list)
     feature_loss_sum: torch.Tensor | None = None                 # eagle: smooth-L1 to f_{t+1}
     first_hidden: torch.Tensor | None = None                     # step 0's output hidden, while the unroll runs
 
-    def add(self, scores: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]) -> None:
-        """Append one step's (loss sum, count, hits, counts by rank or None)."""
-        for totals, value in zip((self.loss_sums, self.counts, self.correct, self.rank_counts), scores):
+    def add(self, scores: tuple[torch.Tensor, ...]) -> None:
+        """Append one step's (loss sum, count, hits, counts by rank or None, top-W cover or None)."""
+        for totals, value in zip((self.loss_sums, self.counts, self.correct, self.rank_counts, self.cover_sums), scores):
             if value is not None:
                 totals.append(value)
 
@@ -103,6 +111,19 @@ def teacher_for(batch: dict, teacher: Teacher) -> TeacherDist:
 
 
 @dataclass(frozen=True)
+class TreeLevers:
+    """How an unroll trains for a tree of width `width` (the module docstring, "Training for a tree")."""
+
+    width: int = 1
+    follow: bool = False  # step k+1 reads the target's token where it ranked < width at step k (train.sibling_feed)
+    align: bool = False  # score step k only where every earlier step ranked the target's token < width (train.align_mask)
+
+    @property
+    def ranks_reference(self) -> bool:
+        return self.follow or self.align
+
+
+@dataclass(frozen=True)
 class _Targets:
     """What every step is scored against: the teacher, the accuracy reference, the labels and the loss mask."""
 
@@ -112,13 +133,16 @@ class _Targets:
     loss_mask: torch.Tensor  # [B, T] float
     mix: dict[str, float]
     ranks: int = 0  # count positions by the reference's rank below this (0: not counted; see UnrollResult)
+    levers: TreeLevers = TreeLevers()
 
 
 def unroll(head: DraftHead, batch: dict, teacher: Teacher, steps: int, mix: dict[str, float],
            token_feed: str = "draft", feature_loss: bool = False, teacher_dist: TeacherDist | None = None,
-           teacher_top: torch.Tensor | None = None, checkpoint_steps: bool = False, ranks: int = 0) -> UnrollResult:
+           teacher_top: torch.Tensor | None = None, checkpoint_steps: bool = False, ranks: int = 0,
+           levers: TreeLevers = TreeLevers()) -> UnrollResult:
     """Run `steps` draft steps over a batch, as the head's layout drafts them, and return per-step loss sums,
-    counts and hits (and with `ranks` > 0, positions by the reference token's rank: `UnrollResult.rank_counts`).
+    counts and hits (and with `ranks` > 0, positions by the reference token's rank and the teacher's probability on
+    the draft's top `levers.width`: `UnrollResult.rank_counts`, `cover_sums`). `levers`: training for a tree.
 
     `feature_loss`: also score the kind's loss on step 0's hidden (`DraftHead.feature_loss_sum`, EAGLE-1's
     feature regression) where it has one. `teacher_top` overrides the reference argmax for accuracy (held-out
@@ -133,7 +157,7 @@ def unroll(head: DraftHead, batch: dict, teacher: Teacher, steps: int, mix: dict
     if teacher_dist is None:
         teacher_dist = teacher_for(batch, teacher)
     targets = _Targets(teacher_dist, teacher_dist.top if teacher_top is None else teacher_top,
-                       teacher.to_draft_ids(batch["input_ids"]), loss_mask, mix, ranks)
+                       teacher.to_draft_ids(batch["input_ids"]), loss_mask, mix, ranks, levers)
     out = SCORING[head.layout](head, batch, steps, targets, token_feed, checkpoint_steps)
     if feature_loss:
         out.feature_loss_sum = head.feature_loss_sum(out.first_hidden, batch.get("last_hidden"), loss_mask)
@@ -151,17 +175,20 @@ def _unroll_steps(head: DraftHead, batch: dict, steps: int, targets: _Targets, t
     positions = torch.arange(seq, device=ids.device).unsqueeze(0).expand(bsz, -1)
     tokens = _shifted(ids, 1)  # x_{t+1} at slot t
     feature = first_feature = step0_feature(head, batch)
+    reached = torch.ones(bsz, seq, device=ids.device) if targets.levers.align else None
     out = UnrollResult()
     for k in range(steps):
         step = partial(_step_and_score, head, k, targets)
-        hidden, drafted, scores = cached_step(step, cache, tokens, feature, positions + k, recompute=checkpoint_steps)
+        hidden, drafted, within, scores = cached_step(step, cache, tokens, feature, positions + k, reached,
+                                                      recompute=checkpoint_steps)
         out.add(scores)
         if k == 0:
             out.first_hidden = hidden
         if k + 1 == steps:
             break
+        reached = _still_reached(reached, within)
         if token_feed == "draft":
-            tokens = head.draft_to_target(drafted)
+            tokens = head.draft_to_target(_followed(drafted, within, targets, k) if targets.levers.follow else drafted)
         else:
             tokens = _shifted(ids, k + 2)
         tokens, feature = next_inputs(head, tokens, hidden, first_feature)
@@ -190,8 +217,12 @@ def _block(head, batch, steps, targets, token_feed, checkpoint_steps) -> UnrollR
     """A block-drafting head (DFlash, DSpark): one forward gives every step's row, scored exactly as the unroll
     scores its steps (`block_steps`)."""
     out = UnrollResult()
-    for k, (logits, confidence) in enumerate(block_steps(head, batch["input_ids"], batch[head.feature], steps)):
-        out.add(_score_step(k, logits, logits.detach().argmax(-1), targets, confidence))
+    ids = batch["input_ids"]
+    reached = torch.ones(ids.shape, device=ids.device) if targets.levers.align else None
+    for k, (logits, confidence) in enumerate(block_steps(head, ids, batch[head.feature], steps)):
+        scores, within = _score_step(k, logits, logits.detach().argmax(-1), targets, confidence, reached)
+        out.add(scores)
+        reached = _still_reached(reached, within)
     return out
 
 
@@ -234,11 +265,13 @@ class TrainingUnroll(nn.Module):
         self.checkpoint_steps = checkpoint_steps  # train.checkpoint_unroll
 
     def forward(self, batch: dict, teacher: Teacher, steps: int, mix: dict, token_feed: str = "draft",
-                feature_loss: bool = False, teacher_top: torch.Tensor | None = None, ranks: int = 0) -> dict:
+                feature_loss: bool = False, teacher_top: torch.Tensor | None = None, ranks: int = 0,
+                levers: TreeLevers = TreeLevers()) -> dict:
         result = unroll(self.head, batch, teacher, steps, mix, token_feed=token_feed, feature_loss=feature_loss,
-                        teacher_top=teacher_top, checkpoint_steps=self.checkpoint_steps, ranks=ranks)
+                        teacher_top=teacher_top, checkpoint_steps=self.checkpoint_steps, ranks=ranks, levers=levers)
         return {"loss_sums": result.loss_sums, "counts": result.counts, "correct": result.correct,
-                "rank_counts": result.rank_counts, "feature_loss_sum": result.feature_loss_sum}
+                "rank_counts": result.rank_counts, "cover_sums": result.cover_sums,
+                "feature_loss_sum": result.feature_loss_sum}
 
 
 def head_state(unroll_state: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
@@ -277,38 +310,76 @@ def _on_cache_copy(step: Callable, blocks: dict[int, tuple] | None, *inputs: tor
     return outputs, {layer_idx: kv[-1] for layer_idx, kv in cache.blocks.items() if len(kv) > len(blocks.get(layer_idx, ()))}
 
 
-def _step_and_score(head: DraftHead, k: int, targets: _Targets, cache: TTTCache | None, tokens, feature, positions):
-    """Step k and its scores, from its inputs alone: (hidden, drafted ids, (loss sum, count, hits))."""
+def _step_and_score(head: DraftHead, k: int, targets: _Targets, cache: TTTCache | None, tokens, feature, positions,
+                    reached):
+    """Step k and its scores, from its inputs alone: (hidden, drafted ids, where the target's token ranked below the
+    tree's width or None, scores)."""
     hidden, logits = head.step(k, tokens, feature, positions, past_key_values=cache)
     drafted = logits.detach().argmax(-1)  # [B, T] draft ids: accuracy, and the next step's tokens
-    return hidden, drafted, _score_step(k, logits, drafted, targets)
+    scores, within = _score_step(k, logits, drafted, targets, reached=reached)
+    return hidden, drafted, within, scores
 
 
-def _score_step(k: int, logits, drafted, targets: _Targets, confidence: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Loss sum, count and hits of step k over slots 0..T-k-3 (views, no gather: masked slots weigh 0), and the
-    positions by the reference's rank when `targets.ranks` asks for them.
-    `confidence`: the head's confidence logits [B, T] for the step, which the mix's `confidence` term trains."""
+def _score_step(k: int, logits, drafted, targets: _Targets, confidence: torch.Tensor | None = None,
+                reached: torch.Tensor | None = None) -> tuple[tuple, torch.Tensor | None]:
+    """((loss sum, count, hits, positions by rank or None, top-W cover or None), within) of step k over slots
+    0..T-k-3 (views, no gather: masked slots weigh 0). `within` [B, T-k-2]: the target's token ranked below the
+    tree's width, where a lever needs it (else None). `confidence`: the head's confidence logits [B, T] for the
+    step, which the mix's `confidence` term trains; `reached` [B, T]: the align mask's weight per slot (None: off)."""
     seq = logits.shape[1]
     length = seq - k - 2  # slots whose predicted token x_{t+k+2} exists
+    ranks = targets.ranks
     if length <= 0:
         zero = logits.new_zeros((), dtype=torch.float32)
-        by_rank = logits.new_zeros(targets.ranks + 1, dtype=torch.float32) if targets.ranks else None
-        return logits.sum() * 0.0, zero, zero, by_rank  # the zero loss keeps every parameter in the graph (DDP)
+        counted = (logits.new_zeros(ranks + 1, dtype=torch.float32), zero) if ranks else (None, None)
+        # the zero loss keeps every parameter in the graph (DDP)
+        return (logits.sum() * 0.0, zero, zero, *counted), None
     weight = targets.loss_mask[:, k + 2:]
     span = slice(k + 1, seq - 1)  # teacher positions t+k+1 for slots t = 0..length-1
-    losses = step_losses(logits[:, :length], targets.teacher.probs[:, span], targets.teacher.plogp[:, span],
-                         targets.labels[:, k + 2:], targets.mix, None if confidence is None else confidence[:, :length])
+    levers, probs = targets.levers, targets.teacher.probs[:, span]
+    losses = step_losses(logits[:, :length], probs, targets.teacher.plogp[:, span], targets.labels[:, k + 2:],
+                         targets.mix, None if confidence is None else confidence[:, :length], topk=levers.width)
+    scored = weight if reached is None else weight * reached[:, :length]
     hits = (drafted[:, :length] == targets.top[:, span]).float()
-    by_rank = _by_rank(logits[:, :length].detach(), targets.top[:, span], weight, targets.ranks) if targets.ranks else None
-    return (losses * weight).sum(), weight.sum(), (hits * weight).sum(), by_rank
+    rank = _reference_rank(logits[:, :length].detach(), targets.top[:, span]) if ranks or levers.ranks_reference else None
+    counted = (_by_rank(rank, weight, ranks), _cover(logits[:, :length].detach(), probs, weight, levers.width)) \
+        if ranks else (None, None)
+    within = rank < levers.width if levers.ranks_reference else None
+    return ((losses * scored).sum(), weight.sum(), (hits * weight).sum(), *counted), within
 
 
-def _by_rank(logits: torch.Tensor, reference: torch.Tensor, weight: torch.Tensor, ranks: int) -> torch.Tensor:
-    """[ranks + 1] weighted positions by the reference token's rank among the draft's logits (the number of
-    draft tokens scored strictly above it), every rank >= `ranks` and a reference outside the draft vocabulary
-    (-1) in the last bucket."""
+def _followed(drafted: torch.Tensor, within: torch.Tensor, targets: _Targets, k: int) -> torch.Tensor:
+    """The draft ids step k+1 reads on a tree's branch: the target's token where step k ranked it below the width,
+    else the draft's argmax (slots past step k's scored ones keep the argmax)."""
+    length = within.shape[1]
+    reference = targets.top[:, k + 1:k + 1 + length]
+    return torch.cat([torch.where(within, reference, drafted[:, :length]), drafted[:, length:]], dim=1)
+
+
+def _still_reached(reached: torch.Tensor | None, within: torch.Tensor | None) -> torch.Tensor | None:
+    """The align mask after a step: a slot stays reached while the step ranked the target's token below the width."""
+    if reached is None:
+        return None
+    length = within.shape[1]
+    return torch.cat([reached[:, :length] * within.float(), reached[:, length:]], dim=1)
+
+
+def _reference_rank(logits: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """The reference token's rank among the draft's logits (the number of draft tokens scored strictly above it);
+    the vocabulary's size for a reference outside the draft vocabulary (-1)."""
     scored = logits.gather(-1, reference.clamp(min=0).unsqueeze(-1))
-    rank = (logits > scored).sum(-1).clamp(max=ranks)
-    rank = torch.where(reference < 0, ranks, rank)
-    return weight.new_zeros(ranks + 1, dtype=torch.float32).index_add_(0, rank.flatten(), weight.flatten().float())
+    rank = (logits > scored).sum(-1)
+    return torch.where(reference < 0, logits.shape[-1], rank)
+
+
+def _by_rank(rank: torch.Tensor, weight: torch.Tensor, ranks: int) -> torch.Tensor:
+    """[ranks + 1] weighted positions by the reference token's rank, every rank >= `ranks` (a reference outside the
+    draft vocabulary included) in the last bucket."""
+    return weight.new_zeros(ranks + 1, dtype=torch.float32).index_add_(
+        0, rank.clamp(max=ranks).flatten(), weight.flatten().float())
+
+
+def _cover(logits: torch.Tensor, probs: torch.Tensor, weight: torch.Tensor, width: int) -> torch.Tensor:
+    """The teacher's probability on the draft's `width` best tokens, summed over the weighted positions."""
+    top = logits.topk(min(width, logits.shape[-1]), dim=-1).indices
+    return (probs.gather(-1, top).sum(-1) * weight).sum()

@@ -32,6 +32,9 @@ class Layout:
     # what `draft.num_steps` counts when it also fixes the unroll (one step per layer or mask slot); "" when
     # the unroll's depth (`train.ttt_steps`) is the recipe's own choice
     step_unit: str = ""
+    # a step after the first reads the token the step before drafted (with the draft token feed): a tree-aware
+    # unroll can choose that token (`train.sibling_feed`)
+    reads_drafted_token: bool = False
 
     def __str__(self) -> str:
         return self.name
@@ -57,13 +60,13 @@ class Layout:
 
 SHARED_LAYER = Layout(
     "shared_layer", "one layer unrolled over the draft steps: step k reads step k-1's hidden and drafted token, "
-    "and attends to the context and its own earlier steps (eagle, eagle3)")
+    "and attends to the context and its own earlier steps (eagle, eagle3)", reads_drafted_token=True)
 PARALLEL_SLOTS = Layout(
     "parallel_slots", "one shared layer; step 0 reads the target's feature and every later step a mask slot, "
     "so every step is known before any is drafted and all run in one forward (peagle)")
 LAYER_PER_STEP = Layout(
     "layer_per_step", "one layer per draft step, each with its own KV cache, step k reading the data's token "
-    "(mtp)", weights_per_step=True, step_unit="layers")
+    "(mtp)", weights_per_step=True, step_unit="layers", reads_drafted_token=True)
 BLOCK = Layout(
     "block", "a non-causal stack drafts the anchor's block in one forward, over the target's features as "
     "context; each block slot predicts one draft step (dflash: its mask rows; dspark: the anchor's row too)",
