@@ -86,7 +86,8 @@ VARIANTS = {
     **{f"tree{lever}{seed}": ["train.draft_init=target_last_layer", f"train.select_shape={TREE}", *overrides,
                               *(["run.seed=1"] if seed else [])]
        for lever, overrides in (("", []), ("-topk", ["train.loss=forward_kl:1,topk:1"]),
-                                ("-sibling", ["train.sibling_feed=true"]), ("-align", ["train.align_mask=true"]))
+                                ("-sibling", ["train.sibling_feed=true"]), ("-align", ["train.align_mask=true"]),
+                                ("-align-sibling", ["train.align_mask=true", "train.sibling_feed=true"]))
        for seed in ("", "-s1")},
 }
 PER_CATEGORY = 2

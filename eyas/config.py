@@ -264,12 +264,14 @@ class TrainConfig:
     sibling_feed: bool = _doc(
         "Unroll along the branch a tree of train.tree_width continues: a step reads the target's token where it was "
         "among the previous step's top-W drafts, else the draft's own first choice (the draft feed). For a kind whose "
-        "unrolled steps read the drafted token (eagle, eagle3; mtp with ttt_token_feed: draft). Off until measured "
-        "(docs/results.md).", False)
+        "unrolled steps read the drafted token (eagle, eagle3; mtp with ttt_token_feed: draft). Off by default; the "
+        "quickstart and smollm2-eagle3 recipes turn it on with train.align_mask (docs/results.md, Training for a "
+        "tree).", False)
     align_mask: bool = _doc(
         "GRIFFIN's alignment mask: a slot's step k is scored only while the target's token was among the draft's "
         "top train.tree_width at every earlier step of that slot (a position no tree of that width reaches trains "
-        "nothing); the loss keeps the full mask's normalisation. Off until measured (docs/results.md).", False)
+        "nothing); the loss keeps the full mask's normalisation. Off by default; the quickstart and smollm2-eagle3 "
+        "recipes turn it on (docs/results.md, Training for a tree).", False)
     dist_timeout_s: int = _doc(
         "Seconds a collective may wait (the process group's timeout), and the bound on what the main process does "
         "alone while the others wait (sign, publish and prune a checkpoint, hash one before a resume, convert a "
