@@ -598,6 +598,17 @@ def tree_width(recipe: Recipe) -> int:
     return recipe.train.tree_width or ranks_needed(selected_shape(recipe))
 
 
+def token_feed(recipe: Recipe) -> str:
+    """The token an unrolled step reads: train.ttt_token_feed, `auto` resolved to the kind's own (imports the kind)."""
+    feed = recipe.train.ttt_token_feed
+    return head_class(recipe.draft.kind).default_token_feed if feed == "auto" else feed
+
+
+def reads_drafted_tokens(recipe: Recipe) -> bool:
+    """The unroll's later steps read the token the step before drafted, which a tree's sibling can replace."""
+    return KINDS[recipe.draft.kind].layout.reads_drafted_token and token_feed(recipe) == "draft"
+
+
 def _check_tree_levers(recipe: Recipe) -> None:
     """Refuse a sibling feed where it would change nothing: a width of 1 (the draft feed itself), or an unroll
     whose steps do not read the token the step before drafted (imports the kind only when the key is set)."""
@@ -608,9 +619,9 @@ def _check_tree_levers(recipe: Recipe) -> None:
         raise EyasError("train.sibling_feed follows the target's token where it is among the draft's top W, but W "
                         "is 1 (train.tree_width 0 and a chain to select for), which is the draft feed itself; set "
                         "train.tree_width to the served tree's width, or train.select_shape to that tree")
-    feed = train.ttt_token_feed if train.ttt_token_feed != "auto" else head_class(kind).default_token_feed
-    if not KINDS[kind].layout.reads_drafted_token or feed != "draft":
-        reads = "the data's tokens (ttt_token_feed: data)" if feed != "draft" else f"no drafted token ({KINDS[kind].layout})"
+    if not reads_drafted_tokens(recipe):
+        reads = ("the data's tokens (ttt_token_feed: data)" if token_feed(recipe) != "draft"
+                 else f"no drafted token ({KINDS[kind].layout})")
         raise EyasError(f"train.sibling_feed chooses the token an unrolled step reads, but a {kind} draft's steps "
                         f"read {reads}; set train.sibling_feed: false")
 

@@ -49,7 +49,16 @@ from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwar
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from eyas import stages
-from eyas.config import Recipe, check_against_target, parse_loss_mix, save_resolved, selected_shape, tree_width
+from eyas.config import (
+    Recipe,
+    check_against_target,
+    parse_loss_mix,
+    reads_drafted_tokens,
+    save_resolved,
+    selected_shape,
+    token_feed,
+    tree_width,
+)
 from eyas.cpus import threads_per_process
 from eyas.data.batches import budget_batches
 from eyas.data.prepare import load_prepared
@@ -74,7 +83,7 @@ from eyas.train.memory import refuse_if_too_big, sharding_of
 from eyas.train.metrics import MetricsLogger, tracker_settings
 from eyas.train.online import OnlineFeatures, PreparedReader
 from eyas.train.rank_zero import RankZeroWork
-from eyas.train.ttt import TrainingUnroll, TreeLevers, default_token_feed, head_state, step_counts
+from eyas.train.ttt import TrainingUnroll, TreeLevers, head_state, step_counts
 
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
 
@@ -397,13 +406,13 @@ class Trainer:
         self.head_config = head.config
         self.teacher = self._build_teacher(head, lm_head)
         self.mix = parse_loss_mix(self.cfg.loss)
-        self.token_feed = default_token_feed(self.kind) if self.cfg.ttt_token_feed == "auto" else self.cfg.ttt_token_feed
+        self.token_feed = token_feed(recipe)
         self.levers = TreeLevers(tree_width(recipe), follow=self.cfg.sibling_feed, align=self.cfg.align_mask)
         # the held-out eval measures a tree's rates along the branch the tree continues (where the unroll reads its
         # drafted tokens), in a second pass beside the chain's
-        width = ranks_needed(self.select)
-        self.eval_tree = TreeLevers(width, follow=True) if (
-            width > 1 and self.token_feed == "draft" and self.kind_class.layout.reads_drafted_token) else None
+        self.select_width = ranks_needed(self.select)
+        self.eval_tree = TreeLevers(self.select_width, follow=True) if (
+            self.select_width > 1 and reads_drafted_tokens(recipe)) else None
         self.weights = [self.cfg.ttt_decay ** k for k in range(self.train_steps)]
         self.loader = self.make_loader(self.source.train_reader, shuffle=True)
         optimizer = self._build_optimizer(head)
@@ -592,7 +601,7 @@ class Trainer:
         reader = self.source.heldout_reader or self.source.train_reader
         mine, rounds, spare = self._eval_batches(reader)
         totals = Totals.zeros(steps, self.device)
-        width = ranks_needed(self.select)
+        width = self.select_width
         chain = TreeLevers(self.levers.width)  # the draft's own path (its first choices): the chain's figures, the cover
         by_rank = torch.zeros(steps, width + 1, device=self.device)
         cover = torch.zeros(steps, device=self.device)

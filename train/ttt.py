@@ -56,7 +56,6 @@ from torch.utils.checkpoint import checkpoint
 from eyas.draft.blocks import TTTCache
 from eyas.draft.head import DraftHead
 from eyas.draft.layouts import BLOCK, LAYER_PER_STEP, PARALLEL_SLOTS, SHARED_LAYER, Layout
-from eyas.draft.registry import head_class
 from eyas.train.losses import Teacher, TeacherDist, step_losses
 
 TOKEN_FEEDS = ("draft", "data")
@@ -83,11 +82,6 @@ class UnrollResult:
         for totals, value in zip((self.loss_sums, self.counts, self.correct, self.rank_counts, self.cover_sums), scores):
             if value is not None:
                 totals.append(value)
-
-
-def default_token_feed(kind: str) -> str:
-    """The kind's own choice: eagle/eagle3 feed their drafted tokens; mtp layers see data tokens."""
-    return head_class(kind).default_token_feed
 
 
 def step_counts(loss_mask: torch.Tensor, steps: int) -> list[torch.Tensor]:
