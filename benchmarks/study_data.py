@@ -6,6 +6,7 @@ AVX2-only one).
     python benchmarks/study_data.py restore quickstart --run runs/quickstart   # then: eyas dump runs/quickstart/recipe.yaml
     python benchmarks/study_data.py pack runs/quickstart --name quickstart --recipe recipes/quickstart.yaml
     python benchmarks/study_data.py check quickstart                           # the archive against its manifest
+    python benchmarks/study_data.py --smoke        # every committed set restored and packed again under a temp folder
 
 A set is two files under `benchmarks/data/`: `<name>.tar.xz`, the run's `prepared/` folder as `eyas prepare`
 wrote it (the `datasets` splits, info.json, skipped.json and its stage record; not its tokenizer cache), and
@@ -13,6 +14,9 @@ wrote it (the `datasets` splits, info.json, skipped.json and its stage record; n
 (written to the run as `recipe.yaml` on restore) and the split sizes. `restore` refuses an archive or a file
 whose checksum differs, and a run folder that already holds prepared data; the restored prepare record is
 current for the recipe (`eyas prepare` on it does nothing), so `eyas dump` reads it as its own.
+
+`--smoke` (the bench tier's check that the script still runs) restores every committed set into a temp folder,
+packs it again there and fails unless every file's sha256 is its manifest's: the round trip a new set takes.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import io
 import json
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,9 +113,35 @@ def restore(name: str, run: Path, data: Path = DATA) -> Path:
     return prepared
 
 
+def smoke() -> None:
+    """Each committed set restored and packed again in a temp folder, every file checked against its manifest."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from machine import smoke_dir, smoke_note  # benchmarks/machine.py
+
+    smoke_note("study_data")
+    work, report = smoke_dir("study_data"), {}
+    for name in sorted(p.stem for p in DATA.glob("*.json")):
+        manifest = load_manifest(name)
+        started = time.perf_counter()
+        run = work / name
+        restore(name, run)
+        restored_s = time.perf_counter() - started
+        again = pack(run, name, run / "recipe.yaml", out=work / "packed")
+        if again["files"] != manifest["files"] or again["recipe"] != manifest["recipe"]:
+            sys.exit(f"study_data --smoke: {name} packed again differs from its manifest's files or recipe")
+        report[name] = {"restore_s": round(restored_s, 3), "archive_bytes": manifest["bytes"],
+                        "files": len(manifest["files"]), "repacked_archive_equal": again["sha256"] == manifest["sha256"]}
+        print(f"BENCH study_data_{name}_restore {restored_s:.3f} s")
+        print(f"BENCH study_data_{name}_archive {manifest['bytes']} bytes")
+    (work / "study_data_smoke.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(f"study_data --smoke: {len(report)} set(s) restored and packed again in {work}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--smoke", action="store_true",
+                        help="restore every committed set into a temp folder and pack it again, each file checked")
+    sub = parser.add_subparsers(dest="command")
     p = sub.add_parser("pack", help="archive a run's prepared data as a study data set")
     p.add_argument("run", type=Path)
     p.add_argument("--name", required=True)
@@ -121,7 +152,11 @@ def main() -> None:
     c = sub.add_parser("check", help="check a set's archive against its manifest")
     c.add_argument("name")
     args = parser.parse_args()
-    if args.command == "pack":
+    if args.smoke:
+        smoke()
+    elif args.command is None:
+        parser.error("give a command: pack, restore or check (or --smoke)")
+    elif args.command == "pack":
         manifest = pack(args.run, args.name, args.recipe)
         print(f"study_data: {DATA / manifest['archive']} ({manifest['bytes']:,} bytes, sha256 {manifest['sha256']}): "
               f"{len(manifest['files'])} files, splits {manifest['splits']}")
