@@ -28,6 +28,8 @@ benchmarks/results/study_levers.{json,md}, with a `BENCH` line per variant, grou
         --groups kinds --vllm --tag kinds
     python benchmarks/study_levers.py --data runs/quickstart --only tree tree-s1 tree-topk tree-topk-s1 \
         tree-sibling tree-sibling-s1 tree-align tree-align-s1 --groups tree tree-chain --tag tree
+    python benchmarks/study_levers.py --data runs/quickstart --out runs/tree-mtp --only tree-mtp tree-mtp-s1 \
+        tree-mtp-topk tree-mtp-topk-s1 tree-mtp-align tree-mtp-align-s1 --groups tree tree-chain --tag tree_mtp
 `--smoke` runs the same stages on a tiny quickstart run it prepares and dumps itself (tests/fixtures.py's
 tiny target): `base` for 2 steps, the eagle3 group, 4 prompts of 8 tokens per suite; everything,
 results included, goes to a temp folder (or --out).
@@ -88,6 +90,13 @@ VARIANTS = {
        for lever, overrides in (("", []), ("-topk", ["train.loss=forward_kl:1,topk:1"]),
                                 ("-sibling", ["train.sibling_feed=true"]), ("-align", ["train.align_mask=true"]),
                                 ("-align-sibling", ["train.align_mask=true", "train.sibling_feed=true"]))
+       for seed in ("", "-s1")},
+    # the same for mtp (3 heads, target feed, random init as mtp3-target): the levers its data feed allows (a
+    # sibling feed changes nothing where every head reads the target's tokens)
+    **{f"tree-mtp{lever}{seed}": ["draft.kind=mtp", "draft.num_steps=3", "draft.mtp_feed=target",
+                                  f"train.select_shape={TREE}", *overrides, *(["run.seed=1"] if seed else [])]
+       for lever, overrides in (("", []), ("-topk", ["train.loss=forward_kl:1,topk:1"]),
+                                ("-align", ["train.align_mask=true"]))
        for seed in ("", "-s1")},
 }
 PER_CATEGORY = 2
