@@ -141,8 +141,9 @@ def simulated_acceptance_length(step_accuracy: list[float]) -> float:
 
 def simulated_acceptance(shape: Shape, rank_rates: list[list[float]]) -> float:
     """Expected drafts accepted per verify at T=0, when at depth k the target's token is the draft's rank-r
-    token with probability `rank_rates[k][r]` (r < `ranks_needed(shape)`), each depth independent of the ones
-    before; depths past the rates' are not counted (a draft trained `train.ttt_steps` deep is not scored deeper).
+    token with probability `rank_rates[k][r]` (r < `ranks_needed(shape)`; the trainer's are over the positions a
+    tree's branch reached, so they are conditional on the depths above), each depth independent of the ones before
+    otherwise; depths past the rates' are not counted (a draft trained `train.ttt_steps` deep is not scored deeper).
 
     chain:K (a confidence cut included, which only shortens it): `simulated_acceptance_length` of the rank-0
     rates (the per-step accuracies). A static tree: the sum over its

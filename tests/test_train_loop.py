@@ -104,7 +104,8 @@ def test_best_and_last_checkpoints(workspace):
 def test_best_is_chosen_for_the_tree_it_serves(workspace):
     """train.select_shape names a tree: best/ is the checkpoint whose held-out simulated acceptance of that tree
     is highest, recorded in its meta; the figure is the tree's under the logged rank rates (measured along the
-    branch the tree continues; its first depth is the chain's step 0), above the chain's where the target's token
+    branch the tree continues, each depth's over the positions the branch reached; its first depth is the chain's
+    step 0), above the chain's where the target's token
     is the draft's second choice often enough."""
     tree = "dynamic:depth=3,topk=2,nodes=4"
     result = train(_recipe(workspace, "tree", "train.max_steps=7", "train.eval_every=2",
@@ -120,6 +121,7 @@ def test_best_is_chosen_for_the_tree_it_serves(workspace):
         assert e["select_shape"] == tree
         assert e["select_accept"] == pytest.approx(simulated_acceptance(parse_shape(tree), rates))
         assert rates[0][0] == pytest.approx(e["acc_0"])
+        assert e["reach_0"] == pytest.approx(1.0) and 0.0 < e["reach_2"] <= e["reach_1"] < 1.0  # the rates' positions
     assert any(e["select_accept"] > e["sim_accept"] + 1e-3 for e in evals)
     with pytest.raises(EyasError, match="recipe key 'train.select_shape': unknown draft shape 'chain'"):
         _recipe(workspace, "bad", "train.select_shape=chain")

@@ -1,6 +1,7 @@
 """Training for a tree (train/ttt.py `TreeLevers`, the `topk` loss term): each lever does what its definition says,
 on a tiny head, against a computation from the unroll's own logits; the recipe refuses a lever where it would change
-nothing. Whether each raises its figure at equal steps is in test_train_loop.py."""
+nothing; and (`pytest -m quality`) the topk term and the align mask each raise the figure they target at equal steps
+on held-out shards against the same run without them (the sibling feed: see the note after those tests)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def test_the_topk_term_is_top_k_distillation_over_the_teachers_most_likely_token
                                position_losses(draft_logits, logp, labels, "forward_kl") + 0.5 * want)
 
 
-def _recorded_unroll(levers: TreeLevers, kind: str = "eagle3"):
+def _recorded_unroll(levers: TreeLevers, kind: str = "eagle3", ranks: int = 0):
     """An unroll of a tiny head with every step's input tokens and logits recorded."""
     torch.manual_seed(7)
     head = build_head(draft_cfg(kind), tiny_target_config(), d2t=tiny_d2t())
@@ -50,7 +51,7 @@ def _recorded_unroll(levers: TreeLevers, kind: str = "eagle3"):
         return hidden, logits
 
     head.step = recording
-    out = unroll(head, batch, teacher, STEPS, {"forward_kl": 1.0}, levers=levers)
+    out = unroll(head, batch, teacher, STEPS, {"forward_kl": 1.0}, levers=levers, ranks=ranks)
     return head, teacher, batch, out, seen
 
 
@@ -79,8 +80,8 @@ def test_the_sibling_feed_reads_the_targets_token_where_the_draft_ranked_it_with
 
 def test_the_align_mask_scores_a_slot_only_while_every_earlier_step_ranked_the_targets_token_within_the_width():
     width = 2
-    _, teacher, batch, masked, seen = _recorded_unroll(TreeLevers(width, align=True))
-    _, _, _, plain, plain_seen = _recorded_unroll(TreeLevers(width))
+    _, teacher, batch, masked, seen = _recorded_unroll(TreeLevers(width, align=True), ranks=width)
+    _, _, _, plain, plain_seen = _recorded_unroll(TreeLevers(width), ranks=width)
     assert all(torch.equal(a[1], b[1]) for a, b in zip(seen, plain_seen))  # the mask changes no forward
     dist = teacher_for(batch, teacher)
     loss_mask = batch["loss_mask"].float() * batch["attention_mask"].float()
@@ -94,9 +95,15 @@ def test_the_align_mask_scores_a_slot_only_while_every_earlier_step_ranked_the_t
         weight = loss_mask[:, k + 2:]
         torch.testing.assert_close(masked.loss_sums[k], (per_slot * weight * reached[:, :length]).sum())
         assert float(masked.counts[k]) == float(plain.counts[k]) == float(weight.sum())
-        within = _reference_rank(logits[:, :length], dist.top[:, span]) < width
-        reached[:, :length] *= within.float()
+        rank = _reference_rank(logits[:, :length], dist.top[:, span]).clamp(max=width)
+        # the ranks are counted where the mask still scores (a tree's rates at depth k over the positions its branch
+        # reached: what the held-out eval's tree pass reports), the plain unroll's over every position
+        for counted, where in ((masked, weight * reached[:, :length]), (plain, weight)):
+            want = torch.stack([(where * (rank == r)).sum() for r in range(width + 1)])
+            torch.testing.assert_close(counted.rank_counts[k], want)
+        reached[:, :length] *= (rank < width).float()
     assert float(masked.loss_sums[-1]) < float(plain.loss_sums[-1])  # something was masked
+    assert float(masked.rank_counts[-1].sum()) < float(plain.rank_counts[-1].sum())
 
 
 def test_the_recipe_refuses_a_sibling_feed_that_would_change_nothing(tiny_llama_dir):
@@ -166,16 +173,13 @@ def test_the_topk_term_raises_the_teachers_probability_on_the_drafts_top_w(lever
 
 
 @pytest.mark.quality
-def test_the_sibling_feed_raises_the_simulated_tree_acceptance(levers_workspace):
-    # a tree of width 8: the tiny draft's first choice is the target's token at 3 positions in 4, so a narrower tree
-    # follows a sibling too rarely to move its figure beyond the runs' noise (width 4: +0.013 and +0.005)
-    wide = "train.select_shape=dynamic:depth=3,topk=8,nodes=16"
-    base = _held_out(levers_workspace, "no-lever-w8", wide)
-    lever = _held_out(levers_workspace, "sibling-w8", wide, "train.sibling_feed=true")
-    assert lever["select_accept"] > base["select_accept"] + 0.005  # measured: +0.0156 (seed 1: +0.0136)
-
-
-@pytest.mark.quality
 def test_the_align_mask_raises_the_simulated_tree_acceptance(levers_workspace):
     base, lever = _held_out(levers_workspace, "no-lever"), _held_out(levers_workspace, "align", "train.align_mask=true")
-    assert lever["select_accept"] > base["select_accept"] + 0.01  # measured: +0.032 (seed 1: +0.016)
+    assert lever["select_accept"] > base["select_accept"] + 0.01  # measured: +0.036 (seed 1: +0.023)
+
+
+# The sibling feed has no test here: on this tiny target it raises no figure beyond the runs' noise. Against the same
+# run without it, the tree's figure moved +0.0001 and +0.0033 (seeds 0, 1) at width 4 and +0.0025 and +0.014 at
+# width 8; beside the align mask +0.0074, +0.0083, +0.0019 and -0.0007 (seeds 0-3). (Before the eval counted a
+# tree's rates over the positions its branch reaches, a +0.015 gain at width 8 came from positions no tree
+# verifies.) Its gain is SmolLM2's, measured in eyas's decoder: docs/results.md, "Training for a tree".

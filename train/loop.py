@@ -408,11 +408,12 @@ class Trainer:
         self.mix = parse_loss_mix(self.cfg.loss)
         self.token_feed = token_feed(recipe)
         self.levers = TreeLevers(tree_width(recipe), follow=self.cfg.sibling_feed, align=self.cfg.align_mask)
-        # the held-out eval measures a tree's rates along the branch the tree continues (where the unroll reads its
-        # drafted tokens), in a second pass beside the chain's
+        # the held-out eval measures a tree's rates in a second pass beside the chain's: along the branch the tree
+        # continues (where the unroll reads its drafted tokens), each depth's over the positions the branch reached
+        # (the align mask's reach: a verify stops where the target's token is outside the tree's width)
         self.select_width = ranks_needed(self.select)
-        self.eval_tree = TreeLevers(self.select_width, follow=True) if (
-            self.select_width > 1 and reads_drafted_tokens(recipe)) else None
+        self.eval_tree = TreeLevers(self.select_width, follow=reads_drafted_tokens(recipe), align=True) \
+            if self.select_width > 1 else None
         self.weights = [self.cfg.ttt_decay ** k for k in range(self.train_steps)]
         self.loader = self.make_loader(self.source.train_reader, shuffle=True)
         optimizer = self._build_optimizer(head)
@@ -629,7 +630,10 @@ class Trainer:
         metrics = {f"acc_{k}": a for k, a in enumerate(accuracy)}
         metrics.update({f"loss_{k}": float(totals.loss[k] / counts[k]) for k in range(steps)})
         metrics["sim_accept"] = simulated_acceptance_length(accuracy)
-        rank_rates = [[float(by_rank[k, r] / counts[k]) for r in range(width)] for k in range(steps)]
+        reach = by_rank.sum(-1)  # per depth, the positions a tree's branch reached (a chain's: every one)
+        rank_rates = [[float(by_rank[k, r] / reach[k].clamp(min=1.0)) for r in range(width)] for k in range(steps)]
+        if self.eval_tree is not None:
+            metrics.update({f"reach_{k}": float(reach[k] / counts[k]) for k in range(steps)})
         metrics["select_shape"] = self.select.spec
         metrics["select_accept"] = simulated_acceptance(self.select, rank_rates)
         metrics.update({f"rank_rate_{k}_{r}": rate for k, rates in enumerate(rank_rates) for r, rate in enumerate(rates)})

@@ -69,7 +69,8 @@ class UnrollResult:
     counts: list[torch.Tensor] = field(default_factory=list)     # sum of loss_mask over valid positions
     correct: list[torch.Tensor] = field(default_factory=list)    # draft argmax == teacher argmax
     # per step, when counted (held-out eval): loss-masked positions by the reference token's rank in the draft's
-    # logits, [ranks + 1], the last bucket every rank >= ranks (and a reference outside the draft vocabulary)
+    # logits, [ranks + 1], the last bucket every rank >= ranks (and a reference outside the draft vocabulary); with
+    # the align lever, only the positions its mask still scores (the branch reached the step): the sum is the reach
     rank_counts: list[torch.Tensor] = field(default_factory=list)
     # per step, when counted (held-out eval): the teacher's probability on the draft's top-W tokens, summed over the
     # loss-masked positions (W: `TreeLevers.width`)
@@ -136,7 +137,9 @@ def unroll(head: DraftHead, batch: dict, teacher: Teacher, steps: int, mix: dict
            levers: TreeLevers = TreeLevers()) -> UnrollResult:
     """Run `steps` draft steps over a batch, as the head's layout drafts them, and return per-step loss sums,
     counts and hits (and with `ranks` > 0, positions by the reference token's rank and the teacher's probability on
-    the draft's top `levers.width`: `UnrollResult.rank_counts`, `cover_sums`). `levers`: training for a tree.
+    the draft's top `levers.width`: `UnrollResult.rank_counts`, `cover_sums`; the rank counts only where the align
+    lever still scores, so a tree's rates at depth k are over the positions its branch reached). `levers`: training
+    for a tree.
 
     `feature_loss`: also score the kind's loss on step 0's hidden (`DraftHead.feature_loss_sum`, EAGLE-1's
     feature regression) where it has one. `teacher_top` overrides the reference argmax for accuracy (held-out
@@ -336,7 +339,7 @@ def _score_step(k: int, logits, drafted, targets: _Targets, confidence: torch.Te
     scored = weight if reached is None else weight * reached[:, :length]
     hits = (drafted[:, :length] == targets.top[:, span]).float()
     rank = _reference_rank(logits[:, :length].detach(), targets.top[:, span]) if ranks or levers.ranks_reference else None
-    counted = (_by_rank(rank, weight, ranks), _cover(logits[:, :length].detach(), probs, weight, levers.width)) \
+    counted = (_by_rank(rank, scored, ranks), _cover(logits[:, :length].detach(), probs, weight, levers.width)) \
         if ranks else (None, None)
     within = rank < levers.width if levers.ranks_reference else None
     return ((losses * scored).sum(), weight.sum(), (hits * weight).sum(), *counted), within
