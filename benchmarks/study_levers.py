@@ -30,6 +30,10 @@ benchmarks/results/study_levers.{json,md}, with a `BENCH` line per variant, grou
         tree-sibling tree-sibling-s1 tree-align tree-align-s1 --groups tree tree-chain --tag tree
     python benchmarks/study_levers.py --data runs/quickstart --out runs/tree-mtp --only tree-mtp tree-mtp-s1 \
         tree-mtp-topk tree-mtp-topk-s1 tree-mtp-align tree-mtp-align-s1 --groups tree tree-chain --tag tree_mtp
+    python benchmarks/study_levers.py --data runs/quickstart --out runs/tree --only tree tree-s1 ... --stage rescore
+`--stage rescore` runs the trainer's held-out eval, as this code computes it, on each variant's last checkpoint
+(runs trained before the eval changed); the report then gives that figure beside the logged one and, per group and
+suite, how each ranks the drafts against their decoded τ (Spearman's rho, `figure_agreement`).
 `--smoke` runs the same stages on a tiny quickstart run it prepares and dumps itself (tests/fixtures.py's
 tiny target): `base` for 2 steps, the eagle3 group, 4 prompts of 8 tokens per suite; everything,
 results included, goes to a temp folder (or --out).
@@ -200,6 +204,64 @@ def stage_eval(data: Path, out: Path, names: list[str], timings: dict, groups: l
                                                                   out / f"eval-{group}-{suite}.log")
 
 
+RESCORED = "heldout_rescored.json"  # under <run>/logs/: the held-out eval of the run's last checkpoint by today's code
+
+
+def stage_rescore(out: Path, names: list[str]) -> None:
+    """Each variant's last checkpoint scored again by this code's held-out eval (the trainer's own, as a run logs
+    it today), into <run>/logs/heldout_rescored.json: runs trained before the eval changed, compared under it."""
+    from eyas.config import load_recipe
+    from eyas.train.loop import Trainer
+
+    for name in names:
+        run = out / name
+        path = run / "logs" / RESCORED
+        if path.is_file() or not (run / "checkpoints" / "recipe.yaml").is_file():
+            continue
+        print(f"levers: the held-out eval of {name}'s last checkpoint, by this code", flush=True)
+        trainer = Trainer(load_recipe(run / "checkpoints" / "recipe.yaml", []))
+        trainer.resume()
+        path.write_text(json.dumps({"step": trainer.state.step, **trainer.evaluate()}, indent=1) + "\n")
+
+
+def _ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0.0] * len(values)
+    for position, index in enumerate(order):
+        ranks[index] = float(position)
+    return ranks
+
+
+def rank_agreement(figure: list[float], tau: list[float]) -> float | None:
+    """Spearman's rank correlation of a held-out figure with the decoded tau over the same drafts (no ties)."""
+    if len(figure) < 3:
+        return None
+    a, b = _ranks(figure), _ranks(tau)
+    mean = (len(a) - 1) / 2
+    return sum((x - mean) * (y - mean) for x, y in zip(a, b)) / sum((x - mean) ** 2 for x in a)
+
+
+def figure_agreement(rows: list[dict]) -> dict:
+    """Per group and suite: how the logged and (where present, for the tree the drafts were chosen for) the
+    rescored held-out figure of the group's shape rank the drafts against their decoded tau."""
+    agreement = {}
+    for group in dict.fromkeys(r["group"] for r in rows):
+        members = [r for r in rows if r["group"] == group]
+        for suite in SUITES:
+            scored = [r for r in members if f"tau_{suite}" in r]
+            tau = [r[f"tau_{suite}"] for r in scored]
+            entry = {"drafts": len(scored), "logged": rank_agreement([_held(r) for r in scored], tau)}
+            if scored and all("select_accept_rescored" in r and r.get("select_shape") == r["shape"] for r in scored):
+                entry["rescored"] = rank_agreement([_held(r, "select_accept_rescored") for r in scored], tau)
+            agreement[f"{group}:{suite}"] = entry
+    return agreement
+
+
+def _held(row: dict, tree_key: str = "select_accept") -> float:
+    """The held-out figure of the group's shape: the tree's where the variant was chosen for it, else the chain's."""
+    return row[tree_key] if row.get("select_shape") == row["shape"] else row["sim_accept"]
+
+
 def group_reports(out: Path, group: str, suite: str) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted((out / "eval" / group / suite).glob("*/report.json"))]
 
@@ -208,9 +270,11 @@ def held_out(run: Path) -> dict:
     """The trainer's last held-out evaluation (simulated acceptance, per-step accuracy)."""
     rows = [json.loads(line) for line in (run / "logs" / "metrics.jsonl").read_text().splitlines() if line.strip()]
     last = [r for r in rows if r.get("kind") == "eval"][-1]
+    rescored = run / "logs" / RESCORED
     return {"sim_accept": last["sim_accept"], "accuracy": [last[k] for k in sorted(last) if k.startswith("acc_")],
             **{key: last[key] for key in ("select_shape", "select_accept", "cover_width") if key in last},
-            "cover": [last[k] for k in sorted(last) if k.startswith("cover_") and k != "cover_width"]}
+            "cover": [last[k] for k in sorted(last) if k.startswith("cover_") and k != "cover_width"],
+            **({"select_accept_rescored": json.loads(rescored.read_text())["select_accept"]} if rescored.is_file() else {})}
 
 
 def stage_report(out: Path, names: list[str], steps: int, timings: dict, tag: str = "", results: Path = RESULTS) -> dict:
@@ -241,7 +305,9 @@ def stage_report(out: Path, names: list[str], steps: int, timings: dict, tag: st
                     row["broad_per_category"] = {k: v["tau"] for k, v in config["per_category"].items()}
                     row["broad_per_turn"] = {k: v["tau"] for k, v in config["per_turn"].items()}
             rows.append(row)
-    result = {"rows": rows, "steps": steps, "groups": {g: s for g, (s, _) in GROUPS.items()}, "eval_tokens": EVAL_TOKENS,
+    agreement = figure_agreement(rows)
+    result = {"rows": rows, "figure_agreement": agreement, "steps": steps,
+              "groups": {g: s for g, (s, _) in GROUPS.items()}, "eval_tokens": EVAL_TOKENS,
               "timings_s": timings,
               "machine": machine(), "versions": versions("torch", "transformers"),
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -257,12 +323,16 @@ def stage_report(out: Path, names: list[str], steps: int, timings: dict, tag: st
         for suite in SUITES:
             if f"tau_{suite}" in r:
                 print(f"BENCH levers_{name}_tau_{suite} {r[f'tau_{suite}']:.3f} tokens/verify")
+    for key, entry in agreement.items():
+        for figure in ("logged", "rescored"):
+            if entry.get(figure) is not None:
+                print(f"BENCH levers_{re.sub(r'[^A-Za-z0-9]+', '_', key)}_{figure}_rank_agreement {entry[figure]:.3f} rho")
     print(f"levers: wrote {results / stem}.json and .md")
     return result
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| group | variant | shape | held-out sim. accept | τ chat | τ broad | lowest broad category | "
+    lines = ["| group | variant | shape | held-out sim. accept (rescored) | τ chat | τ broad | lowest broad category | "
              "draft ms/round (share), chat | speedup chat: eyas / vLLM (vLLM τ) | train s |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     nan = float("nan")
@@ -273,9 +343,9 @@ def markdown(rows: list[dict]) -> str:
         speed = f"{r.get('speedup_chat') or nan:.2f}x"
         if "vllm_speedup_chat" in r:
             speed += f" / {r['vllm_speedup_chat'] or nan:.2f}x ({r['vllm_tau_chat']:.3f})"
-        # the held-out figure of the group's shape: the tree's where the variant was chosen for it, else the chain's
-        held = r["select_accept"] if r.get("select_shape") == r["shape"] else r["sim_accept"]
-        lines.append(f"| {r['group']} | {r['variant']} | {r['shape']} | {held:.3f} | {r.get('tau_chat', nan):.3f} | "
+        rescored = "select_accept_rescored" in r and r.get("select_shape") == r["shape"]  # the tree's figure changed
+        held = f"{_held(r):.3f}" + (f" ({r['select_accept_rescored']:.3f})" if rescored else "")
+        lines.append(f"| {r['group']} | {r['variant']} | {r['shape']} | {held} | {r.get('tau_chat', nan):.3f} | "
                      f"{r.get('tau_broad', nan):.3f} | {low[0]} {low[1]:.2f} | {draft} | {speed} | {r['train_s'] or 0:.0f} |")
     return "\n".join(lines) + "\n"
 
@@ -285,7 +355,8 @@ def main() -> None:
     parser.add_argument("--data", help="a finished eagle3 run directory (recipe.yaml, prepared/, shards/)")
     parser.add_argument("--out", help="parent folder of the variants' runs (default runs/levers; --smoke: a temp folder, "
                         "which also takes the results)")
-    parser.add_argument("--stage", choices=["train", "eval", "report", "all"], default="all")
+    parser.add_argument("--stage", choices=["train", "eval", "rescore", "report", "all"], default="all",
+                        help="rescore (not in all): each variant's last checkpoint through today's held-out eval")
     parser.add_argument("--only", nargs="*", default=[], help="variants to run (default: all)")
     parser.add_argument("--steps", type=int, default=136, help="optimizer steps of every variant")
     parser.add_argument("--groups", nargs="*", choices=list(GROUPS), default=list(GROUPS), help="eval groups to run")
@@ -321,6 +392,8 @@ def main() -> None:
             stage_train(data, out, names, args.steps, timings)
         if args.stage in ("eval", "all"):
             stage_eval(data, out, names, timings, args.groups, args.eval_set, args.vllm)
+        if args.stage == "rescore" or args.smoke:
+            stage_rescore(out, names)
     finally:  # merged into what is there now: another invocation may have written since this one began
         current = json.loads(timing_file.read_text()) if timing_file.is_file() else {}
         timing_file.write_text(json.dumps({**current, **timings}, indent=1))
