@@ -88,20 +88,21 @@ VARIANTS = {
     # DSpark: 3 drafts per block as dflash's 3 mask slots, its published loss (its registry line's defaults)
     "dspark": ["draft.kind=dspark", "draft.num_steps=3", "train.draft_init=target_last_layer"],
     # training for a tree (issue: tree-aware objective): eagle3 from the target's last layer, every variant chosen
-    # for and measured on the same dynamic tree (its width 4 is each lever's); `-s1` variants: the same at run.seed=1
+    # for and measured on the same dynamic tree (its width 4 is each lever's); `-s1`, `-s2` variants: the same at
+    # run.seed=1, 2
     **{f"tree{lever}{seed}": ["train.draft_init=target_last_layer", f"train.select_shape={TREE}", *overrides,
-                              *(["run.seed=1"] if seed else [])]
+                              *([f"run.seed={seed[-1]}"] if seed else [])]
        for lever, overrides in (("", []), ("-topk", ["train.loss=forward_kl:1,topk:1"]),
                                 ("-sibling", ["train.sibling_feed=true"]), ("-align", ["train.align_mask=true"]),
                                 ("-align-sibling", ["train.align_mask=true", "train.sibling_feed=true"]))
-       for seed in ("", "-s1")},
+       for seed in ("", "-s1", "-s2")},
     # the same for mtp (3 heads, target feed, random init as mtp3-target): the levers its data feed allows (a
     # sibling feed changes nothing where every head reads the target's tokens)
     **{f"tree-mtp{lever}{seed}": ["draft.kind=mtp", "draft.num_steps=3", "draft.mtp_feed=target",
-                                  f"train.select_shape={TREE}", *overrides, *(["run.seed=1"] if seed else [])]
+                                  f"train.select_shape={TREE}", *overrides, *([f"run.seed={seed[-1]}"] if seed else [])]
        for lever, overrides in (("", []), ("-topk", ["train.loss=forward_kl:1,topk:1"]),
                                 ("-align", ["train.align_mask=true"]))
-       for seed in ("", "-s1")},
+       for seed in ("", "-s1", "-s2")},
 }
 PER_CATEGORY = 2
 EVAL_TOKENS = 40
