@@ -105,8 +105,7 @@ def test_best_is_chosen_for_the_tree_it_serves(workspace):
     """train.select_shape names a tree: best/ is the checkpoint whose held-out simulated acceptance of that tree
     is highest, recorded in its meta; the figure is the tree's under the logged rank rates (measured along the
     branch the tree continues, each depth's over the positions the branch reached; its first depth is the chain's
-    step 0), above the chain's where the target's token
-    is the draft's second choice often enough."""
+    step 0), above the chain's where the target's token is the draft's second choice often enough."""
     tree = "dynamic:depth=3,topk=2,nodes=4"
     result = train(_recipe(workspace, "tree", "train.max_steps=7", "train.eval_every=2",
                            f"train.select_shape={tree}"))
