@@ -252,15 +252,21 @@ def figure_agreement(rows: list[dict]) -> dict:
             scored = [r for r in members if f"tau_{suite}" in r]
             tau = [r[f"tau_{suite}"] for r in scored]
             entry = {"drafts": len(scored), "logged": rank_agreement([_held(r) for r in scored], tau)}
-            if scored and all("select_accept_rescored" in r and r.get("select_shape") == r["shape"] for r in scored):
-                entry["rescored"] = rank_agreement([_held(r, "select_accept_rescored") for r in scored], tau)
+            if scored and all(_rescored(r) is not None for r in scored):
+                entry["rescored"] = rank_agreement([_rescored(r) for r in scored], tau)
             agreement[f"{group}:{suite}"] = entry
     return agreement
 
 
-def _held(row: dict, tree_key: str = "select_accept") -> float:
+def _held(row: dict) -> float:
     """The held-out figure of the group's shape: the tree's where the variant was chosen for it, else the chain's."""
-    return row[tree_key] if row.get("select_shape") == row["shape"] else row["sim_accept"]
+    return row["select_accept"] if row.get("select_shape") == row["shape"] else row["sim_accept"]
+
+
+def _rescored(row: dict) -> float | None:
+    """The re-scored figure of the tree the variant was chosen for, where the group is measured on that tree (the
+    chain's figure did not change, so a chain group has none)."""
+    return row.get("select_accept_rescored") if row.get("select_shape") == row["shape"] else None
 
 
 def group_reports(out: Path, group: str, suite: str) -> list[dict]:
@@ -344,8 +350,7 @@ def markdown(rows: list[dict]) -> str:
         speed = f"{r.get('speedup_chat') or nan:.2f}x"
         if "vllm_speedup_chat" in r:
             speed += f" / {r['vllm_speedup_chat'] or nan:.2f}x ({r['vllm_tau_chat']:.3f})"
-        rescored = "select_accept_rescored" in r and r.get("select_shape") == r["shape"]  # the tree's figure changed
-        held = f"{_held(r):.3f}" + (f" ({r['select_accept_rescored']:.3f})" if rescored else "")
+        held = f"{_held(r):.3f}" + (f" ({_rescored(r):.3f})" if _rescored(r) is not None else "")
         lines.append(f"| {r['group']} | {r['variant']} | {r['shape']} | {held} | {r.get('tau_chat', nan):.3f} | "
                      f"{r.get('tau_broad', nan):.3f} | {low[0]} {low[1]:.2f} | {draft} | {speed} | {r['train_s'] or 0:.0f} |")
     return "\n".join(lines) + "\n"
