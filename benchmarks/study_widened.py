@@ -29,7 +29,7 @@ server's process) on the port `benchmarks/widened.yaml` names and runs `eyas pre
 recipe: the user turns through /v1/completions, the replies through /v1/chat/completions. A killed
 run resumes from `<run_dir>/regen_cache.jsonl`. `--engine builtin` writes every turn with the target's own
 batched loop instead (fp32 where bf16 is not native: three times vLLM's rate on a 2-core AVX2 CPU, see BUILTIN;
-its user turns are not cached, so a killed run writes them again) and leaves `<run_dir>/set-recipe.yaml`, the
+resumable from the same cache) and leaves `<run_dir>/set-recipe.yaml`, the
 recipe `benchmarks/data/widened` records: `study_data.py restore widened --run runs/widened` starts a study at
 the dump. Then `describe` (also on its own) records the data mix, the loss tokens per category and the
 word-8-gram overlap of every prepared turn with the broad set in benchmarks/results/widened_data.json

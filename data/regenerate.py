@@ -307,8 +307,12 @@ def reply_author(recipe: Recipe, tokenizer: Any, model: Any = None) -> tuple[Cal
         model, _ = load_target(recipe.target)
     generate = hf_generator(model, tokenizer, data.regenerate_max_new_tokens, data.regenerate_temperature,
                             recipe.run.seed)
-    author = {"target": target_identity(model.config, tokenizer), "dtype": str(next(model.parameters()).dtype)}
-    return generate, "the target (batched KV-cache loop)", author
+    return generate, "the target (batched KV-cache loop)", target_author(model, tokenizer)
+
+
+def target_author(model: Any, tokenizer: Any) -> dict:
+    """What identifies the target's own loop as a writer, for the reply cache: its weights' identity and dtype."""
+    return {"target": target_identity(model.config, tokenizer), "dtype": str(next(model.parameters()).dtype)}
 
 
 def reply_cache(recipe: Recipe, author: dict) -> ReplyCache:

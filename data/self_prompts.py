@@ -30,7 +30,9 @@ duplicates when the Jaccard similarity of their word 3-gram sets with an earlier
 `data.self_prompt_dedup` or more (`eyas.ngrams.NearDuplicates`) — and dropped when they are empty
 or do not end within `data.regenerate_max_new_tokens`; every drop is counted in `skipped.json`,
 with the category in the example. Sampling for a category stops when its share is kept or after
-3 attempts per wanted prompt.
+3 attempts per wanted prompt. Every sample, kept or not, goes to the reply cache as its batch ends,
+from the target's own loop as from an endpoint (`cached_turn_sampler`), so a killed prepare writes
+again only the turns it lacks.
 """
 
 from __future__ import annotations
@@ -43,7 +45,17 @@ from typing import Any
 import torch
 
 from eyas.config import Recipe
-from eyas.data.regenerate import ReplyCache, base_url, cached, endpoint_model, post_choice, reply_author, reply_cache, reply_cache_path
+from eyas.data.regenerate import (
+    ReplyCache,
+    base_url,
+    cached,
+    endpoint_model,
+    post_choice,
+    reply_author,
+    reply_cache,
+    reply_cache_path,
+    target_author,
+)
 from eyas.decode import SamplingParams, left_padded, plain_decode, seeded_generator, stop_token_ids, token_chooser
 from eyas.errors import EyasError
 from eyas.ngrams import NearDuplicates
@@ -175,15 +187,16 @@ def _decode_new(tokenizer: Any, new: list[list[int]], stops: set[int]) -> list[s
     return [tokenizer.decode(seq[:-1], skip_special_tokens=True) if seq and seq[-1] in stops else None for seq in new]
 
 
-def hf_prompt_sampler(model: Any, tokenizer: Any, max_new_tokens: int, temperature: float, top_p: float,
-                      seed: int, top_k: int = 0) -> Callable[..., list[str | None]]:
-    """`sample(steers, histories=None)`: one user turn per steer (None: unsteered; an int n: n unsteered),
-    the target writing after its template's user header, opening with the steer's words; after the
-    conversation in `histories[i]` when given (a follow-up). None for a turn that did not end."""
-    device = next(model.parameters()).device
-    stops = set(stop_token_ids(model, tokenizer))  # the end-of-turn token is among them for chat models
-    stop_ids = torch.tensor(sorted(stops), device=device)
-    choose = token_chooser(SamplingParams(temperature, top_p, top_k), seeded_generator(device, seed))
+def cached_turn_sampler(ask: Callable[[list[dict]], list[dict]], tokenizer: Any,
+                        cache: ReplyCache | None) -> Callable[..., list[str | None]]:
+    """`sample(steers, histories=None)` over `ask(keys) -> [{"text", "ended"}]`, a back end continuing each key's
+    "prompt" (the template's open user turn, and the steer's opening words).
+
+    Samples, finished or not, are kept in `cache` under (text continued, how many times that text was asked
+    before), so a rerun after a kill asks only for the samples it lacks; they are fresh samples, since a
+    back end's random stream depends on what it is asked together."""
+    ask = cached(ask, cache or ReplyCache(None, {}))
+    asked: Counter = Counter()
 
     def sample(steers: list[Steer | None] | int, histories: list[list[dict]] | None = None) -> list[str | None]:
         if isinstance(steers, int):
@@ -192,12 +205,34 @@ def hf_prompt_sampler(model: Any, tokenizer: Any, max_new_tokens: int, temperatu
             return []
         heads = [user_header(tokenizer, s.system if s else "", histories[i] if histories else None)
                  + (s.opener if s else "") for i, s in enumerate(steers)]
-        enc = left_padded(tokenizer, heads, device)
-        texts = _decode_new(tokenizer, plain_decode(model, enc["input_ids"], enc["attention_mask"], max_new_tokens,
-                                                    stop_ids, choose), stops)
-        return [None if t is None else (s.opener if s else "") + t for s, t in zip(steers, texts)]
+        keys = []
+        for head in heads:
+            keys.append({"prompt": head, "occurrence": asked[head]})
+            asked[head] += 1
+        samples = ask(keys)  # unfinished ones are cached too: a rerun needs no target
+        return [(s.opener if s else "") + x["text"] if x["ended"] else None for s, x in zip(steers, samples)]
 
     return sample
+
+
+def hf_prompt_sampler(model: Any, tokenizer: Any, max_new_tokens: int, temperature: float, top_p: float,
+                      seed: int, top_k: int = 0, cache: ReplyCache | None = None) -> Callable[..., list[str | None]]:
+    """`sample(steers, histories=None)`: one user turn per steer (None: unsteered; an int n: n unsteered),
+    the target writing after its template's user header, opening with the steer's words; after the
+    conversation in `histories[i]` when given (a follow-up). None for a turn that did not end.
+    Samples are kept in `cache` as `cached_turn_sampler` says."""
+    device = next(model.parameters()).device
+    stops = set(stop_token_ids(model, tokenizer))  # the end-of-turn token is among them for chat models
+    stop_ids = torch.tensor(sorted(stops), device=device)
+    choose = token_chooser(SamplingParams(temperature, top_p, top_k), seeded_generator(device, seed))
+
+    def ask_target(keys: list[dict]) -> list[dict]:
+        enc = left_padded(tokenizer, [k["prompt"] for k in keys], device)
+        texts = _decode_new(tokenizer, plain_decode(model, enc["input_ids"], enc["attention_mask"], max_new_tokens,
+                                                    stop_ids, choose), stops)
+        return [{"text": t or "", "ended": t is not None} for t in texts]
+
+    return cached_turn_sampler(ask_target, tokenizer, cache)
 
 
 def endpoint_prompt_sampler(endpoint: str, model: str, tokenizer: Any, max_new_tokens: int, temperature: float,
@@ -208,16 +243,13 @@ def endpoint_prompt_sampler(endpoint: str, model: str, tokenizer: Any, max_new_t
     endpoint cannot: it always opens an assistant turn), `workers` requests in flight. A turn ends when
     the server stops on the end-of-turn token (`finish_reason: stop`); one cut at `max_new_tokens` is None.
 
-    Samples, finished or not, are kept in `cache` under (text continued, how many times that text was
-    asked before), so a rerun after a kill asks only for the samples it lacks. The requests carry no seed: vLLM 0.32 on a CPU
-    stops its engine on a per-request seed, so sampling follows the server's own `--seed`, and a resumed
-    run's new samples are fresh ones (as with the built-in loop, whose random stream depends on the batch).
+    Samples are kept in `cache` as `cached_turn_sampler` says. The requests carry no seed: vLLM 0.32 on a CPU
+    stops its engine on a per-request seed, so sampling follows the server's own `--seed`.
     A request that keeps failing stops prepare with an error; what was sampled is in the cache.
     """
     url = base_url(endpoint) + "/completions"
     # vLLM and SGLang also stop on the EOS tokens of the model's generation config, as the built-in loop does
     stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    asked: Counter = Counter()
 
     def one(prompt: str) -> dict:
         choice = post_choice(url, {"model": model, "prompt": prompt, "max_tokens": max_new_tokens,
@@ -234,21 +266,7 @@ def endpoint_prompt_sampler(endpoint: str, model: str, tokenizer: Any, max_new_t
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             return list(pool.map(one, [k["prompt"] for k in keys]))
 
-    ask = cached(ask_server, cache or ReplyCache(None, {}))
-
-    def sample(steers: list[Steer | None] | int, histories: list[list[dict]] | None = None) -> list[str | None]:
-        if isinstance(steers, int):
-            steers = [None] * steers
-        heads = [user_header(tokenizer, s.system if s else "", histories[i] if histories else None)
-                 + (s.opener if s else "") for i, s in enumerate(steers)]
-        keys = []
-        for head in heads:
-            keys.append({"prompt": head, "occurrence": asked[head]})
-            asked[head] += 1
-        samples = ask(keys)  # unfinished ones are cached too: a rerun needs no server
-        return [(s.opener if s else "") + x["text"] if x["ended"] else None for s, x in zip(steers, samples)]
-
-    return sample
+    return cached_turn_sampler(ask_server, tokenizer, cache)
 
 
 def add_follow_ups(rows: list[dict], reply: Callable[[list[list[dict]]], list[str]],
@@ -315,18 +333,22 @@ def self_prompt_rows(recipe: Recipe, model: Any, tokenizer: Any, skips: Any) -> 
 
     data = recipe.data
     categories = parse_categories(data.self_prompt_categories)
+    # what decides a sample besides its prompt (the keys a cache file written before the target's loop kept
+    # its user turns stay as they were for an endpoint: the seed does not reach one)
+    settings = {"user turn": True, "max_new_tokens": data.regenerate_max_new_tokens,
+                "temperature": data.self_prompt_temperature, "top_p": data.self_prompt_top_p,
+                "top_k": data.self_prompt_top_k}
     if data.regenerate_endpoint:
         name = endpoint_model(data.regenerate_endpoint, data.regenerate_model)
-        settings = {"endpoint": data.regenerate_endpoint, "model": name, "user turn": True,
-                    "max_new_tokens": data.regenerate_max_new_tokens, "temperature": data.self_prompt_temperature,
-                    "top_p": data.self_prompt_top_p, "top_k": data.self_prompt_top_k}
+        cache = ReplyCache(reply_cache_path(recipe), {"endpoint": data.regenerate_endpoint, "model": name, **settings})
         sample = endpoint_prompt_sampler(data.regenerate_endpoint, name, tokenizer, data.regenerate_max_new_tokens,
                                          data.self_prompt_temperature, data.self_prompt_top_p,
-                                         data.regenerate_batch_size, ReplyCache(reply_cache_path(recipe), settings),
-                                         top_k=data.self_prompt_top_k)
+                                         data.regenerate_batch_size, cache, top_k=data.self_prompt_top_k)
     else:
+        cache = ReplyCache(reply_cache_path(recipe), {**target_author(model, tokenizer), **settings,
+                                                      "seed": recipe.run.seed})
         sample = hf_prompt_sampler(model, tokenizer, data.regenerate_max_new_tokens, data.self_prompt_temperature,
-                                   data.self_prompt_top_p, recipe.run.seed, top_k=data.self_prompt_top_k)
+                                   data.self_prompt_top_p, recipe.run.seed, top_k=data.self_prompt_top_k, cache=cache)
     with tqdm(total=data.self_prompts, unit="prompt", desc="writing prompts", dynamic_ncols=True) as progress:
         rows = write_prompts(sample, data.self_prompts, data.regenerate_batch_size, skips, recipe.run.seed, progress,
                              categories=categories, dedup=data.self_prompt_dedup)

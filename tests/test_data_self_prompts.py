@@ -11,6 +11,7 @@ import torch
 from fixtures import JsonHandler, serving
 
 from eyas.config import load_recipe
+from eyas.data import regenerate, self_prompts
 from eyas.data.prepare import load_prepared, prepare
 from eyas.data.regenerate import ReplyCache
 from eyas.data.self_prompts import (
@@ -266,7 +267,8 @@ def test_steered_sampler_on_a_tiny_target_is_seeded_and_opens_with_the_steer(tin
         assert text is None or text.startswith(steer.opener)
 
 
-def test_prepare_with_steered_two_turn_self_conversations(tmp_path, tiny_llama_dir):
+def test_prepare_with_steered_two_turn_self_conversations_and_again_from_the_reply_cache(tmp_path, tiny_llama_dir,
+                                                                                          monkeypatch):
     model, tok = _tiny_that_ends_turns(tiny_llama_dir)
     recipe = load_recipe(None, [f"target.path={tiny_llama_dir}", "data.source=none", "data.self_prompts=6",
                                 "data.self_prompt_categories=[coding, qa, translation]", "data.self_prompt_turns=2",
@@ -290,6 +292,17 @@ def test_prepare_with_steered_two_turn_self_conversations(tmp_path, tiny_llama_d
                                          if any(len(r["messages"]) == 2 * k for r in rows)}
     assert info["self_prompt_turns"] == {"1": 2, "2": 4}  # two follow-ups never ended within 3 tries: one exchange
     assert info["skipped"]["self prompt follow-up did not end within data.regenerate_max_new_tokens"] > 0
+
+    # the same prepare again (as after a kill): every user turn, dropped samples too, and every reply comes from
+    # the reply cache; the target is never run
+    def target_run(*args, **kwargs):
+        raise AssertionError("the target wrote a turn the reply cache holds")
+
+    monkeypatch.setattr(self_prompts, "plain_decode", target_run)
+    monkeypatch.setattr(regenerate, "plain_decode", target_run)
+    again = prepare(recipe, tokenizer=tok, model=model)
+    assert [r["messages"] for r in load_prepared(recipe.run_dir, "train")] == [r["messages"] for r in rows]
+    assert again["skipped"] == info["skipped"]
 
 
 @pytest.mark.parametrize("overrides, message", [
