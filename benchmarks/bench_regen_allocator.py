@@ -21,11 +21,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from machine import machine, output_path, smoke_dir, smoke_note, tiny_target, versions  # benchmarks/machine.py
+from machine import ALLOCATORS, machine, output_path, smoke_dir, smoke_note, tiny_target, versions  # benchmarks/machine.py
 
 RESULTS = Path(__file__).parent / "results" / "bench_regen_allocator.json"
-LIBRARIES = {"glibc": None, "tcmalloc": "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
-             "jemalloc": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}
+LIBRARIES = {"glibc": None, **ALLOCATORS}
 PASSAGE = "Here is a long passage about the history of science, the growth of cities, and the ways people travel. "
 
 

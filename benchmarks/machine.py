@@ -32,6 +32,11 @@ SMOKE_RUN = ["data.max_samples=48", "data.max_length=96", "data.regenerate=false
              "eval.max_prompts=2", "eval.max_new_tokens=8"]
 
 
+# malloc replacements a CPU generation loop can be preloaded with (Debian: libtcmalloc-minimal4, libjemalloc2)
+ALLOCATORS = {"tcmalloc": "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+              "jemalloc": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}
+
+
 def machine() -> dict:
     import torch
 

@@ -1,7 +1,7 @@
 """Study data kept in the repository: a run's prepared conversations (tokens, loss masks, messages), so a study
 starts at the dump instead of regenerating its replies through the target (10 minutes for the quickstart's
 620 on a 2-core CPU; the widened recipe's 2,200 two-turn conversations took 50 minutes on an AMX machine and
-would take hours on an AVX2-only one, where its committed 550 took about an hour).
+would take hours on an AVX2-only one, where its committed 550 took about two hours).
 
     python benchmarks/study_data.py restore quickstart --run runs/quickstart   # then: eyas dump runs/quickstart/recipe.yaml
     python benchmarks/study_data.py restore widened --run runs/widened         # 550 two-turn conversations, 13 categories

@@ -2,7 +2,7 @@
 and the drafts measured per category and per turn at T=0 and T=1 on the broad set.
 
     python benchmarks/study_widened.py generate     # vllm serve + eyas prepare (resumable: the reply cache)
-    python benchmarks/study_widened.py generate --engine builtin --prompts 1100   # the committed set (below)
+    python benchmarks/study_widened.py generate --engine builtin --prompts 550    # the committed set (below)
     python benchmarks/study_widened.py dump
     python benchmarks/study_levers.py --data runs/widened --out runs/widened-levers --tag widened \\
         --steps 160 --stage train --only base init-target mtp3-target
@@ -66,7 +66,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import yaml
-from machine import machine, smoke_dir, smoke_note, tiny_target, versions  # benchmarks/machine.py
+from machine import ALLOCATORS, machine, smoke_dir, smoke_note, tiny_target, versions  # benchmarks/machine.py
 from study_levers import broad_subset  # benchmarks/study_levers.py: the same subset of the broad set
 from study_levers import eyas as run_stage
 from study_levers import stage_train as train_levers
@@ -94,10 +94,9 @@ def run_dir() -> Path:
 # the precision native here (`auto`: fp32 without AVX512-BF16/AMX). On a 2-core AVX2 machine it wrote 148
 # tokens/s at 96 rows (136 at 64, 114 at 192; 128-token replies) where `vllm serve` wrote 25-50.
 BUILTIN = ["data.regenerate_endpoint=", "data.regenerate_dtype=auto", "data.regenerate_batch_size=96"]
-# glibc maps and unmaps every KV cache tensor over 32 MB as the cache grows, and the page faults took more CPU
-# than the model (user 374 s, system 411 s, 38 tokens/s: 96 rows, 160 tokens after a 200-token prompt, 2-core
-# AVX2 CPU, nothing beside); tcmalloc keeps the freed memory (user 326 s, system 2 s, 93 tokens/s; jemalloc 31)
-TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")  # apt-get install libtcmalloc-minimal4
+# the loop runs under tcmalloc where installed: with glibc's allocator it is 2.4x slower on a CPU
+# (benchmarks/bench_regen_allocator.py; docs/stages.md, regeneration)
+TCMALLOC = Path(ALLOCATORS["tcmalloc"])
 
 
 SET_RECIPE = "set-recipe.yaml"  # under the run: the recipe a committed set records (study_data.py pack --recipe)

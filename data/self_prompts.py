@@ -333,8 +333,8 @@ def self_prompt_rows(recipe: Recipe, model: Any, tokenizer: Any, skips: Any) -> 
 
     data = recipe.data
     categories = parse_categories(data.self_prompt_categories)
-    # what decides a sample besides its prompt (the keys a cache file written before the target's loop kept
-    # its user turns stay as they were for an endpoint: the seed does not reach one)
+    # what decides a sample besides its prompt and its writer (an endpoint's keys stay as older cache files
+    # have them: no seed reaches a server)
     settings = {"user turn": True, "max_new_tokens": data.regenerate_max_new_tokens,
                 "temperature": data.self_prompt_temperature, "top_p": data.self_prompt_top_p,
                 "top_k": data.self_prompt_top_k}
