@@ -12,7 +12,8 @@ would take hours on an AVX2-only one, where its committed 550 took about two hou
 A set is two files under `benchmarks/data/`: `<name>.tar.xz`, the run's `prepared/` folder as `eyas prepare`
 wrote it (the `datasets` splits, info.json, skipped.json and its stage record; not its tokenizer cache), and
 `<name>.json`, its manifest: the archive's sha256, each file's sha256 and size, the recipe that prepared it
-(written to the run as `recipe.yaml` on restore) and the split sizes. `restore` refuses an archive or a file
+(written to the run as `recipe.yaml` on restore, its `run.output_dir` and `run.name` naming the folder restored
+into) and the split sizes. `restore` refuses an archive or a file
 whose checksum differs, and a run folder that already holds prepared data; the restored prepare record is
 current for the recipe (`eyas prepare` on it does nothing), so `eyas dump` reads it as its own.
 
@@ -26,6 +27,7 @@ import argparse
 import hashlib
 import io
 import json
+import re
 import sys
 import tarfile
 import time
@@ -90,8 +92,21 @@ def checked_archive(manifest: dict, data: Path = DATA) -> bytes:
     return blob
 
 
+def recipe_for_run(recipe: str, run: Path) -> str:
+    """The set's recipe with its `run:` section's `output_dir` and `name` naming `run`, so every stage run on the
+    restored recipe reads and writes that folder (the packed recipe names the folder it was prepared in)."""
+    section = re.search(r"^run:\n(?:[ #].*\n|\n)*", recipe, re.MULTILINE)
+    if section is None:
+        sys.exit("study_data: the set's recipe has no `run:` section; pack it again from a recipe that has one")
+    lines = [line for line in section.group(0).splitlines(keepends=True)
+             if not re.match(r"  (output_dir|name):", line)]
+    lines[1:1] = [f"  name: {run.name}\n", f"  output_dir: {run.parent}\n"]
+    return recipe[:section.start()] + "".join(lines) + recipe[section.end():]
+
+
 def restore(name: str, run: Path, data: Path = DATA) -> Path:
-    """Unpack the set into `run/prepared` (and its recipe into `run/recipe.yaml`), every file checked."""
+    """Unpack the set into `run/prepared` (and its recipe, pointed at `run`, into `run/recipe.yaml`), every
+    file checked."""
     manifest = load_manifest(name, data)
     blob = checked_archive(manifest, data)
     prepared = run / "prepared"
@@ -110,7 +125,7 @@ def restore(name: str, run: Path, data: Path = DATA) -> Path:
             target = prepared / relative
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(body)
-    (run / "recipe.yaml").write_text(manifest["recipe"])
+    (run / "recipe.yaml").write_text(recipe_for_run(manifest["recipe"], run))
     return prepared
 
 
@@ -127,7 +142,7 @@ def smoke() -> None:
         restore(name, run)
         restored_s = time.perf_counter() - started
         again = pack(run, name, run / "recipe.yaml", out=work / "packed")
-        if again["files"] != manifest["files"] or again["recipe"] != manifest["recipe"]:
+        if again["files"] != manifest["files"] or again["recipe"] != recipe_for_run(manifest["recipe"], run):
             sys.exit(f"study_data --smoke: {name} packed again differs from its manifest's files or recipe")
         report[name] = {"restore_s": round(restored_s, 3), "archive_bytes": manifest["bytes"],
                         "files": len(manifest["files"]), "repacked_archive_equal": again["sha256"] == manifest["sha256"]}

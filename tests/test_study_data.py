@@ -27,9 +27,10 @@ def _study_data():
 def test_a_committed_set_restores_to_its_manifest_and_is_current_for_its_recipe(tmp_path, name):
     study_data = _study_data()
     manifest = study_data.load_manifest(name)
-    run = tmp_path / name
+    run = tmp_path / "restored-here"  # not the folder the set was prepared in: the restored recipe names this one
     study_data.restore(name, run)
-    recipe = load_recipe(run / "recipe.yaml", [f"run.output_dir={tmp_path}", f"run.name={name}"])
+    recipe = load_recipe(run / "recipe.yaml")
+    assert recipe.run_dir == run  # so `eyas dump run/recipe.yaml` reads these prepared files and writes beside them
     assert stages.check("prepare", recipe).current  # `eyas prepare` would do nothing: the dump reads it as is
     for split, sizes in manifest["splits"].items():
         assert split_stats(load_prepared(run, split)) == sizes
