@@ -150,13 +150,13 @@ def link_data(data: Path, run: Path) -> None:
             (run / part).symlink_to((data / part).resolve(), target_is_directory=True)
 
 
-def stage_train(data: Path, out: Path, names: list[str], steps: int, timings: dict) -> None:
+def stage_train(data: Path, out: Path, names: list[str], steps: int, timings: dict, extra: list[str] | None = None) -> None:
     for name in names:
         run = out / name
         if (run / "checkpoints" / "best").is_dir():
             continue
         link_data(data, run)
-        overrides = run_overrides(out, name, steps) + VARIANTS[name]
+        overrides = run_overrides(out, name, steps) + (extra or []) + VARIANTS[name]
         timings[f"train:{name}"] = eyas("train", data / "recipe.yaml", overrides, out / f"{name}.train.log")
 
 
@@ -367,6 +367,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=136, help="optimizer steps of every variant")
     parser.add_argument("--groups", nargs="*", choices=list(GROUPS), default=list(GROUPS), help="eval groups to run")
     parser.add_argument("--tag", default="", help="results go to study_levers_<tag>.{json,md} (another data set)")
+    parser.add_argument("--train-set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="recipe overrides for every variant's training, before the variant's own (e.g. "
+                             "train.mixed_precision=auto where the data's recipe asks for bf16 and it is not native)")
     parser.add_argument("--eval-set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="recipe overrides for the evals only (e.g. target.dtype=float32)")
     parser.add_argument("--vllm", action="store_true",
@@ -395,7 +398,7 @@ def main() -> None:
     timings = json.loads(timing_file.read_text()) if timing_file.is_file() else {}
     try:
         if args.stage in ("train", "all"):
-            stage_train(data, out, names, args.steps, timings)
+            stage_train(data, out, names, args.steps, timings, args.train_set)
         if args.stage in ("eval", "all"):
             stage_eval(data, out, names, timings, args.groups, args.eval_set, args.vllm)
         if args.stage == "rescore" or args.smoke:
