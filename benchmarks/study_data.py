@@ -100,7 +100,8 @@ def recipe_for_run(recipe: str, run: Path) -> str:
         sys.exit("study_data: the set's recipe has no `run:` section; pack it again from a recipe that has one")
     lines = [line for line in section.group(0).splitlines(keepends=True)
              if not re.match(r"  (output_dir|name):", line)]
-    lines[1:1] = [f"  name: {run.name}\n", f"  output_dir: {run.parent}\n"]
+    # JSON strings are YAML strings: a folder name with a colon or a hash stays one value
+    lines[1:1] = [f"  name: {json.dumps(run.name)}\n", f"  output_dir: {json.dumps(str(run.parent))}\n"]
     return recipe[:section.start()] + "".join(lines) + recipe[section.end():]
 
 
