@@ -92,17 +92,26 @@ def checked_archive(manifest: dict, data: Path = DATA) -> bytes:
     return blob
 
 
+def recipe_with(recipe: str, section: str, values: dict[str, str], note: str = "") -> str:
+    """`recipe`'s text with each `section.key` line set to `key: value` (its comment replaced by `note`), added at
+    the section's top where absent; every other line, comments included, kept as it is."""
+    block = re.search(rf"^{section}:\n(?:[ #].*\n|\n)*", recipe, re.MULTILINE)
+    if block is None:
+        sys.exit(f"study_data: the recipe has no `{section}:` section; write one in it first")
+    text = block.group(0)
+    for key, value in values.items():
+        line = f"  {key}: {value}{note}"
+        pattern = re.compile(rf"^  {key}:.*$", re.MULTILINE)
+        text = (pattern.sub(lambda _, line=line: line, text, count=1) if pattern.search(text)
+                else text.replace(f"{section}:\n", f"{section}:\n{line}\n", 1))
+    return recipe[:block.start()] + text + recipe[block.end():]
+
+
 def recipe_for_run(recipe: str, run: Path) -> str:
-    """The set's recipe with its `run:` section's `output_dir` and `name` naming `run`, so every stage run on the
-    restored recipe reads and writes that folder (the packed recipe names the folder it was prepared in)."""
-    section = re.search(r"^run:\n(?:[ #].*\n|\n)*", recipe, re.MULTILINE)
-    if section is None:
-        sys.exit("study_data: the set's recipe has no `run:` section; pack it again from a recipe that has one")
-    lines = [line for line in section.group(0).splitlines(keepends=True)
-             if not re.match(r"  (output_dir|name):", line)]
+    """The set's recipe with its `run.output_dir` and `run.name` naming `run`, so every stage run on the restored
+    recipe reads and writes that folder (the packed recipe names the folder it was prepared in)."""
     # JSON strings are YAML strings: a folder name with a colon or a hash stays one value
-    lines[1:1] = [f"  name: {json.dumps(run.name)}\n", f"  output_dir: {json.dumps(str(run.parent))}\n"]
-    return recipe[:section.start()] + "".join(lines) + recipe[section.end():]
+    return recipe_with(recipe, "run", {"name": json.dumps(run.name), "output_dir": json.dumps(str(run.parent))})
 
 
 def restore(name: str, run: Path, data: Path = DATA) -> Path:

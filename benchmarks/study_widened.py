@@ -67,6 +67,7 @@ from urllib.parse import urlparse
 
 import yaml
 from machine import ALLOCATORS, machine, smoke_dir, smoke_note, tiny_target, versions  # benchmarks/machine.py
+from study_data import recipe_with  # benchmarks/study_data.py: a recipe's lines set in place
 from study_levers import broad_subset  # benchmarks/study_levers.py: the same subset of the broad set
 from study_levers import eyas as run_stage
 from study_levers import stage_train as train_levers
@@ -105,12 +106,8 @@ SET_RECIPE = "set-recipe.yaml"  # under the run: the recipe a committed set reco
 def set_recipe(overrides: list[str]) -> str:
     """widened.yaml as `generate --engine builtin` ran it: each overridden `data.` line replaced (or added), marked,
     comments kept elsewhere (the recipe a committed set carries: restored as the run's recipe.yaml, its prepare record current)."""
-    text = RECIPE.read_text()
-    for override in overrides:
-        key, value = override.removeprefix("data.").split("=", 1)
-        marked = f"  {key}: {value or repr('')}   # generate --engine builtin"
-        line = re.compile(rf"^  {key}:.*$", re.MULTILINE)
-        text = line.sub(marked, text, count=1) if line.search(text) else text.replace("\ndata:\n", f"\ndata:\n{marked}\n", 1)
+    values = {key: value or repr("") for key, value in (o.removeprefix("data.").split("=", 1) for o in overrides)}
+    text = recipe_with(RECIPE.read_text(), "data", values, note="   # generate --engine builtin")
     return ("# Written by `python benchmarks/study_widened.py generate --engine builtin`: benchmarks/widened.yaml with the\n"
             "# replies and user turns written by the target's own batched loop (the lines marked below).\n" + text)
 
