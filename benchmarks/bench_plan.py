@@ -159,10 +159,10 @@ def measure(stage: str, recipe_overrides: list[str]) -> dict:
 
 def predict(stage: str, recipe_overrides: list[str]) -> dict:
     """`eyas plan`'s figures for the same recipe on the CPU: named parts, device + host total (bytes)."""
+    from eyas.cli.plan import read_config
     from eyas.config import load_recipe
     from eyas.data.memory import dump_need
     from eyas.memory import Hardware, shapes_of
-    from eyas.plan import read_config
     from eyas.train.memory import draft_size, train_need
 
     recipe = load_recipe(None, recipe_overrides)
@@ -235,7 +235,7 @@ def main() -> int:
         "runs": results, "unroll_ratio": round(unroll_ratio, 4),
         "definitions": {"measured_bytes": "VmHWM after the stage (reset once the target / trainer was built) minus VmRSS "
                                           "after imports, of a fresh process per stage",
-                        "predicted_bytes": "eyas.plan device total + host total for the same recipe, Hardware('cpu')",
+                        "predicted_bytes": "eyas.cli.plan device total + host total for the same recipe, Hardware('cpu')",
                         "plan_unroll_error": "|(measured deep - measured one-step) / (predicted deep - predicted one-step) - 1|"},
         "settings": {"target": "tiny (benchmarks/machine.py)" if args.smoke else f"Llama-3.1-8B shape, {args.layers} layers",
                      "seq": args.seq, "ttt_steps": args.ttt_steps, "dump_batch_samples": args.dump_batch,

@@ -708,11 +708,11 @@ PLAN_GPU = "h200-141gb"
 
 
 def plan_inputs(ctx: Context, overrides: list[str] = ()) -> tuple:
-    """The 8B recipe, Llama-3.1-8B's config (written to the scratch folder) and the planned GPU, for eyas.plan."""
-    if util.find_spec("eyas.plan") is None:
+    """The 8B recipe, Llama-3.1-8B's config (written to the scratch folder) and the planned GPU, for eyas.cli.plan."""
+    if util.find_spec("eyas.cli.plan") is None:
         raise Skip("eyas plan not found")
+    from eyas.cli.plan import hardware, read_config
     from eyas.config import load_recipe
-    from eyas.plan import hardware, read_config
 
     path = ctx.work / "llama31-8b-config.json"
     path.write_text(json.dumps(LLAMA31_8B))

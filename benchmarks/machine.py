@@ -150,10 +150,10 @@ def tiny_target(folder: Path) -> Path:
 def tiny_run(root: Path, overrides: list[str] | tuple[str, ...] = (), name: str = "quickstart") -> Path:
     """A quickstart run prepared and dumped on the tiny target (recipe.yaml, prepared/, shards/), as
     `eyas quickstart` leaves one before training: what the studies and bench_peer_speculators read."""
+    from eyas.cli.quickstart import packaged_recipe
     from eyas.config import load_recipe, save_resolved
     from eyas.data.dump import dump
     from eyas.data.prepare import prepare
-    from eyas.quickstart import packaged_recipe
 
     target = tiny_target(root / "target")
     recipe = load_recipe(packaged_recipe(), [f"target.path={target}", f"run.output_dir={root}", f"run.name={name}",

@@ -1,7 +1,7 @@
 """`python -m eyas.data prepare|dump RECIPE [key=value ...]` (also `python -m eyas.data.dump RECIPE`)."""
 import sys
 
-from eyas.cli import run_stage
+from eyas.stage_cli import run_stage
 
 if len(sys.argv) < 2 or sys.argv[1] not in ("prepare", "dump"):
     print("usage: python -m eyas.data prepare|dump RECIPE [section.key=value ...]", file=sys.stderr)

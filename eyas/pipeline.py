@@ -1,11 +1,10 @@
-"""The one table of `eyas` commands: the pipeline's stages, in the order they run, then the tools.
+"""The pipeline's stages, in the order they run: the one table of what each stage is.
 
-Every command has a name, the module whose `main(argv)` runs it and a one-line help
-(`eyas.cli` lists and dispatches them). A pipeline stage also says where its output lies, what
-that output depends on and which files mark it finished (`eyas.stages` keeps its record from
-these), and how SLURM runs it: its job templates in `slurm/` and the GPUs a job holds
-(`slurm/submit.py`). `eyas.quickstart` runs the pipeline stages in table order. A tool
-(quickstart, submit, launch, verify, plan) has no output of its own to check.
+Every stage has a name, the module whose `main(argv)` runs it and a one-line help, where its output
+lies, what that output depends on and which files mark it finished (`eyas.stages` keeps its record
+from these), and how SLURM runs it: its job templates in `slurm/` and the GPUs a job holds
+(`slurm/submit.py`). The front door (`eyas.cli.commands`) adds the tools (quickstart, submit, launch,
+verify, plan), which have no output of their own to check; the quickstart runs these stages in order.
 
 This module is data only (no stage is imported), so `eyas --help` and `eyas submit` read it for free.
 """
@@ -33,16 +32,16 @@ def _no_gpu(recipe: Recipe) -> Gpus:
 
 
 @dataclass(frozen=True)
-class Command:
-    """One row of the table. `output` is None for a tool; the columns after it are the stages' own."""
+class Stage:
+    """One row of the table."""
 
     name: str
     module: str  # has `main(argv) -> int`
-    help: str  # one line, for `eyas --help` and the command's own `--help`
-    # Pipeline stages (eyas.stages): the output folder, the recipe sections (`data`) or single keys
+    help: str  # one line, for `eyas --help` and the stage's own `--help`
+    # The stage record (eyas.stages): the output folder, the recipe sections (`data`) or single keys
     # (`draft.kind`) it depends on, the stages whose records it reads, and the files (relative to the
     # output) that exist once it has finished.
-    output: Callable[[Recipe], Path] | None = None
+    output: Callable[[Recipe], Path]
     sections: tuple[str, ...] = ()
     upstream: Callable[[Recipe], tuple[str, ...]] = _reads_nothing
     done_files: tuple[str, ...] = ()
@@ -51,11 +50,6 @@ class Command:
     slurm_jobs: tuple[str, ...] = ()
     slurm_gpus: Callable[[Recipe], Gpus] = _no_gpu
     slurm_host_jobs: tuple[str, ...] = ()
-
-    @property
-    def is_stage(self) -> bool:
-        """A pipeline stage (prepare -> dump -> train -> eval -> export) rather than a tool."""
-        return self.output is not None
 
 
 def _prepare_gpus(recipe: Recipe) -> Gpus:
@@ -69,37 +63,30 @@ def _dump_gpus(recipe: Recipe) -> Gpus:
 
 
 _TABLE = (
-    Command("prepare", "eyas.data.prepare", "render chat data with the target's template and build loss masks",
-            output=lambda r: r.run_dir / "prepared", sections=("target", "data", "run.seed"),
-            done_files=("info.json", "train/dataset_info.json", "heldout/dataset_info.json"),
-            slurm_jobs=("prepare",), slurm_gpus=_prepare_gpus),
-    Command("dump", "eyas.data.dump", "run the frozen target and write hidden-state shards",
-            output=lambda r: r.run_dir / "shards", sections=("target", "dump", "draft.kind"),
-            upstream=lambda r: ("prepare",), done_files=("manifest.json", "heldout/manifest.json"),
-            # an array of target tasks, then one task that writes the manifest and the draft vocabulary
-            # from their shards without the target's weights (`eyas dump --finalize`): no GPU
-            slurm_jobs=("dump", "dump_finalize"), slurm_gpus=_dump_gpus, slurm_host_jobs=("dump_finalize",)),
-    Command("train", "eyas.train.loop", "train a draft head (eagle, eagle3, mtp) from shards or online",
-            output=lambda r: r.run_dir / "checkpoints", sections=("target", "draft", "train"),
-            upstream=lambda r: ("prepare",) if r.train.source == "online" else ("dump",),
-            slurm_jobs=("train",), slurm_gpus=lambda r: "node"),
-    Command("eval", "eyas.eval.cli", "speculative decoding with the draft: acceptance per depth, tau, speedup",
-            output=lambda r: Path(r.eval.output) if r.eval.output else r.run_dir / "eval",
-            sections=("target", "eval", "run.seed"),
-            upstream=lambda r: ("prepare",) if r.eval.prompts == "heldout" else (),
-            done_files=("report.json", "acceptance.png"), slurm_jobs=("eval",), slurm_gpus=lambda r: "one"),
-    Command("export", "eyas.train.export", "write a checkpoint that SGLang or vLLM loads as it is",
-            output=lambda r: r.run_dir / "export" / r.export.to, sections=("export", "target.path", "train.ttt_steps"),
-            done_files=("eyas_export.json",), slurm_jobs=("export",)),
-    Command("quickstart", "eyas.quickstart", "the whole pipeline on the embedded default target, on a CPU"),
-    Command("submit", "eyas.slurm.submit", "render and submit SLURM jobs for a recipe's stages"),
-    Command("launch", "eyas.launch", "torchrun or accelerate launch whose SIGTERM/SIGINT saves a checkpoint and exits 0"),
-    Command("verify", "eyas.data.shard_verify", "check a run's shards in full: sizes, headers, checksums, offsets"),
-    Command("plan", "eyas.plan", "GPU and host memory, shard bytes and optimizer steps per stage, before anything runs"),
+    Stage("prepare", "eyas.data.prepare", "render chat data with the target's template and build loss masks",
+          output=lambda r: r.run_dir / "prepared", sections=("target", "data", "run.seed"),
+          done_files=("info.json", "train/dataset_info.json", "heldout/dataset_info.json"),
+          slurm_jobs=("prepare",), slurm_gpus=_prepare_gpus),
+    Stage("dump", "eyas.data.dump", "run the frozen target and write hidden-state shards",
+          output=lambda r: r.run_dir / "shards", sections=("target", "dump", "draft.kind"),
+          upstream=lambda r: ("prepare",), done_files=("manifest.json", "heldout/manifest.json"),
+          # an array of target tasks, then one task that writes the manifest and the draft vocabulary
+          # from their shards without the target's weights (`eyas dump --finalize`): no GPU
+          slurm_jobs=("dump", "dump_finalize"), slurm_gpus=_dump_gpus, slurm_host_jobs=("dump_finalize",)),
+    Stage("train", "eyas.train.loop", "train a draft head (eagle, eagle3, mtp, peagle, dflash, dspark) from shards or online",
+          output=lambda r: r.run_dir / "checkpoints", sections=("target", "draft", "train"),
+          upstream=lambda r: ("prepare",) if r.train.source == "online" else ("dump",),
+          slurm_jobs=("train",), slurm_gpus=lambda r: "node"),
+    Stage("eval", "eyas.eval.cli", "speculative decoding with the draft: acceptance per depth, tau, speedup",
+          output=lambda r: Path(r.eval.output) if r.eval.output else r.run_dir / "eval",
+          sections=("target", "eval", "run.seed"),
+          upstream=lambda r: ("prepare",) if r.eval.prompts == "heldout" else (),
+          done_files=("report.json", "acceptance.png"), slurm_jobs=("eval",), slurm_gpus=lambda r: "one"),
+    Stage("export", "eyas.train.export", "write a checkpoint that SGLang or vLLM loads as it is",
+          output=lambda r: r.run_dir / "export" / r.export.to, sections=("export", "target.path", "train.ttt_steps"),
+          done_files=("eyas_export.json",), slurm_jobs=("export",)),
 )
 
-# Every command, in the order `eyas --help` lists them.
-COMMANDS: dict[str, Command] = {command.name: command for command in _TABLE}
 # The pipeline stages, in the order they run.
-STAGES: dict[str, Command] = {name: command for name, command in COMMANDS.items() if command.is_stage}
+STAGES: dict[str, Stage] = {stage.name: stage for stage in _TABLE}
 PIPELINE: tuple[str, ...] = tuple(STAGES)

@@ -6,12 +6,11 @@ the stage has its own), loads the recipe with its overrides, writes it to `<run_
 turns an `EyasError` into one line on stderr and exit status 2 (a traceback only with `--debug`)
 and a SIGTERM before the stage's own handler into one line and 143.
 
-A command's one-line help is written once, in the command table (`eyas.pipeline`), which sits
-in the front door above the stages. The dispatcher (`eyas.cli.run_stage`, which every `eyas
-<command>` and every stage package's `python -m` entry goes through) hands it down with
-`hand_down_help` before it calls the stage's `main`, so no stage imports the table. A `main`
-called another way (its module run as a script, a test) shows the first line of its module's
-docstring instead.
+A command's one-line help is written once, in its table (a stage's in `eyas.pipeline`, a tool's in
+the front door's `eyas.cli.commands`). `run_command`, which every `eyas <command>` and every stage
+package's `python -m` entry goes through, hands it down with `hand_down_help` before it calls the
+module's `main`, so no stage imports a table. A `main` called another way (its module run as a
+script, a test) shows the first line of its module's docstring instead.
 
 This module imports no stage and no front-door module (`tests/test_architecture.py`).
 """
@@ -19,6 +18,7 @@ This module imports no stage and no front-door module (`tests/test_architecture.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
 import sys
@@ -30,6 +30,7 @@ from typing import Any
 
 from eyas.config import load_recipe, save_resolved
 from eyas.errors import EyasError
+from eyas.pipeline import STAGES
 
 # Each command's help, as the dispatcher handed it down from the command table.
 _HELP: dict[str, str] = {}
@@ -45,6 +46,25 @@ def command_help(name: str, module_doc: str | None) -> str | None:
     if name in _HELP:
         return _HELP[name]
     return module_doc.strip().splitlines()[0] if module_doc and module_doc.strip() else None
+
+
+def run_command(name: str, module_name: str, help_line: str, argv: list[str]) -> int:
+    """Import the command's module and run its `main(argv)`, its one-line help handed down from its table."""
+    hand_down_help(name, help_line)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):  # the command's module itself is missing
+            print(f"eyas: error: the '{name}' command is not built yet in this version of eyas", file=sys.stderr)
+            return 3
+        raise
+    return int(module.main(argv) or 0)
+
+
+def run_stage(name: str, argv: list[str]) -> int:
+    """A pipeline stage's `main(argv)` (a stage package's `python -m` entry: `python -m eyas.train RECIPE`)."""
+    stage = STAGES[name]
+    return run_command(name, stage.module, stage.help, argv)
 
 
 def stage_parser(prog: str, description: str | None, recipe_required: bool = True, force: bool = True,

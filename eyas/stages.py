@@ -17,7 +17,7 @@ Eval and export fingerprint the checkpoints they read (size and mtime of the wei
 covers a draft retrained in place.
 
 Which sections, upstream stages, output folder and finished-files each stage has is a column of
-the command table, `eyas.pipeline`; this module only keeps and compares the records.
+the stage table, `eyas.pipeline`; this module only keeps and compares the records.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 from eyas.config import Recipe
 from eyas.errors import EyasError
 from eyas.io import atomic_write_json
-from eyas.pipeline import STAGES, Command
+from eyas.pipeline import STAGES, Stage
 
 RECORD = "stage.json"
 RECORD_VERSION = 1
@@ -56,7 +56,7 @@ class Verdict:
     reason: str  # why it must run ("" for a first run), or what was found current
 
 
-def _stage(name: str) -> Command:
+def _stage(name: str) -> Stage:
     if name not in STAGES:
         raise EyasError(f"unknown stage '{name}'; stages: {', '.join(STAGES)}")
     return STAGES[name]

@@ -1,18 +1,19 @@
-"""The package's layering, checked on the source (AST), so it holds after every change.
+"""The package's floors, read off the folders and checked on the import graph (AST), lazy imports included.
 
-Three layers. On top, the front door (`FRONT_DOOR`: the `eyas` command and its dispatch, the command
-table, `eyas plan`, the quickstart, the launcher, SLURM submission), which runs and plans the stages.
-In the middle, the stages, where data flows one way: `eyas.data` -> `eyas.train` -> `eyas.eval`. A
-stage may import the shared modules in `eyas/` and the stages before it, never a later one, and never
-the front door (a package's `__main__.py`, its `python -m` entry through the dispatcher, aside). At
-the bottom, the shared modules in `eyas/`, which import no stage. An `eyas.*` import inside a function
-needs a one-line reason on the line above or beside it (a comment), so every file's header says what it
-depends on.
+Three floors, each a set of folders. At the bottom, the shared library, `eyas/` (recipes, targets, draft
+kinds, decoding, errors, io, the stage table and the stage record a stage checks before it runs): it imports
+nothing above it. In the middle, the stages, where data flows one way: `data/` -> `train/` -> `eval/` (as
+`eyas.data`, `eyas.train`, `eyas.eval`). A stage imports the library and the stages before it, never a later
+one. On top, the front door: `cli/` (the `eyas` command, its command table, the quickstart, `eyas plan`, the
+launcher) and `slurm/` (submission): the only floor that imports several stages, and nothing imports it.
+The floors are folders, so no module is listed by hand. An `eyas.*` import inside a function needs a one-line
+reason on the line above or beside it (a comment), so every file's header says what it depends on.
 """
 
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -21,80 +22,75 @@ from eyas.config import CHOICES, DraftConfig
 from eyas.draft.registry import KINDS, head_class
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGE_DIRS = {"data": "eyas.data", "train": "eyas.train", "eval": "eyas.eval", "slurm": "eyas.slurm"}
-ORDER = {"eyas.data": 0, "eyas.train": 1, "eyas.eval": 2}
-# The top layer: it imports the stages; no stage imports it.
-FRONT_DOOR = {"eyas.cli", "eyas.__main__", "eyas.pipeline", "eyas.plan", "eyas.quickstart", "eyas.launch",
-              "eyas.slurm.submit"}
+# Each folder's package and floor: 0 the library, 1-3 the stages in pipeline order, 4 the front door.
+FOLDERS = {"eyas": ("eyas", 0), "data": ("eyas.data", 1), "train": ("eyas.train", 2), "eval": ("eyas.eval", 3),
+           "cli": ("eyas.cli", 4), "slurm": ("eyas.slurm", 4)}
+FRONT = 4
 
 
 def _modules() -> list[tuple[str, Path]]:
     found = []
-    for folder, package in STAGE_DIRS.items():
-        for path in sorted((ROOT / folder).glob("*.py")):
-            found.append((package if path.stem == "__init__" else f"{package}.{path.stem}", path))
-    for path in sorted((ROOT / "eyas").rglob("*.py")):
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        found.append((name, path))
+    for folder, (package, _) in FOLDERS.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = (package, *path.relative_to(ROOT / folder).with_suffix("").parts)
+            found.append((".".join(parts[:-1] if parts[-1] == "__init__" else parts), path))
     return found
 
 
+def _floor(module: str) -> int | None:
+    """The floor of an `eyas.*` module: its folder's, the longest package that holds it (None: not eyas)."""
+    packages = sorted(FOLDERS.values(), key=lambda p: -len(p[0]))
+    return next((floor for package, floor in packages if module == package or module.startswith(package + ".")), None)
+
+
 def _eyas_imports(tree: ast.AST) -> list[tuple[ast.AST, str, bool]]:
-    """(node, imported module, inside a function) for every `eyas.*` import."""
+    """(node, imported module, inside a function) for every `eyas.*` import, `from eyas import x` as `eyas.x`."""
     out = []
 
     def visit(node: ast.AST, in_function: bool) -> None:
         for child in ast.iter_child_nodes(node):
             nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
-            if isinstance(child, ast.ImportFrom) and child.module and child.module.startswith("eyas"):
-                out.append((child, child.module, in_function))
+            if isinstance(child, ast.ImportFrom) and child.module and child.module.split(".")[0] == "eyas":
+                if child.module == "eyas":  # `from eyas import cli` names the module eyas.cli
+                    out.extend((child, f"eyas.{a.name}", in_function) for a in child.names)
+                else:
+                    out.append((child, child.module, in_function))
             elif isinstance(child, ast.Import):
-                out.extend((child, a.name, in_function) for a in child.names if a.name.startswith("eyas"))
+                out.extend((child, a.name, in_function) for a in child.names if a.name.split(".")[0] == "eyas")
             visit(child, nested)
 
     visit(tree, False)
     return out
 
 
-def _stage(module: str) -> str | None:
-    return next((s for s in ORDER if module == s or module.startswith(s + ".")), None)
-
-
-def test_data_flows_one_way():
+def _wrong_imports(name: str, tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, what is wrong) for every import of `name`'s module that runs against the floors."""
+    mine = _floor(name)
     wrong = []
-    for name, path in _modules():
-        if name.startswith("eyas.slurm") or name in FRONT_DOOR:
+    for node, imported, _ in _eyas_imports(tree):
+        theirs = _floor(imported)
+        if theirs is None or mine == FRONT or theirs == 0:
             continue
-        mine = _stage(name)
-        for node, imported, _ in _eyas_imports(ast.parse(path.read_text())):
-            theirs = _stage(imported)
-            if theirs is None:
-                continue
-            if mine is None:
-                wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}: shared module {name} imports stage {imported}")
-            elif ORDER[theirs] > ORDER[mine]:
-                wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}: {name} imports the later stage {imported}")
-    assert not wrong, "imports against the pipeline's direction:\n" + "\n".join(wrong)
+        if mine == 0:
+            wrong.append((node.lineno, f"the library module {name} imports {imported}, a floor above it"))
+        elif theirs == FRONT:
+            wrong.append((node.lineno, f"the stage module {name} imports the front door's {imported}"))
+        elif theirs > mine:
+            wrong.append((node.lineno, f"{name} imports the later stage {imported}"))
+    return wrong
 
 
-def _front_door_imports(node: ast.AST, imported: str) -> list[str]:
-    """The front-door modules an import names: `from eyas import plan` names `eyas.plan`."""
-    names = [imported] + ([f"{imported}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom) else [])
-    return [n for n in names if n in FRONT_DOOR]
+def test_every_import_keeps_to_the_floors():
+    wrong = [f"{path.relative_to(ROOT)}:{line}: {why}" for name, path in _modules()
+             for line, why in _wrong_imports(name, ast.parse(path.read_text()))]
+    assert not wrong, "imports against the floors:\n" + "\n".join(wrong)
 
 
-def test_no_stage_imports_the_front_door():
-    """The front door runs and plans the stages; a stage importing it back (even inside a function) would tie
-    the layers both ways. Each stage's `__main__.py` dispatches through the CLI, which is its job."""
-    wrong = []
-    for name, path in _modules():
-        if _stage(name) is None or path.name == "__main__.py":
-            continue
-        for node, imported, _ in _eyas_imports(ast.parse(path.read_text())):
-            wrong += [f"{path.relative_to(ROOT)}:{node.lineno}: {name} imports {door}"
-                      for door in _front_door_imports(node, imported)]
-    assert not wrong, "stage modules importing the front door:\n" + "\n".join(wrong)
+def test_every_folder_is_on_a_floor():
+    """A new top-level folder of Python code is given its floor here, or the rule would not see it."""
+    mapped = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    assert {folder: package for package, folder in mapped.items() if folder != "recipes"} == \
+        {folder: package for folder, (package, _) in FOLDERS.items()}
 
 
 def test_function_local_eyas_imports_say_why():
@@ -110,18 +106,23 @@ def test_function_local_eyas_imports_say_why():
     assert not bare, "function-local eyas imports without a stated reason:\n" + "\n".join(bare)
 
 
-def test_the_rule_catches_a_backward_import(tmp_path):
-    """The checker itself: a data module importing eval is reported."""
-    tree = ast.parse("def f():\n    from eyas.eval.kv import tree_mask\n")
-    [(node, imported, in_function)] = _eyas_imports(tree)
-    assert imported == "eyas.eval.kv" and in_function and ORDER[_stage(imported)] > ORDER["eyas.data"]
+@pytest.mark.parametrize(("module", "source", "found"), [
+    ("eyas.data.dump", "def f():\n    from eyas.eval.kv import tree_mask\n", "later stage eyas.eval.kv"),
+    ("eyas.train.loop", "from eyas.cli import plan\n", "front door's eyas.cli"),
+    ("eyas.eval.cli", "import eyas.cli.main\n", "front door's eyas.cli.main"),
+    ("eyas.config", "def f():\n    from eyas.train.loop import train\n", "library module eyas.config imports"),
+    ("eyas.stages", "from eyas import cli\n", "library module eyas.stages imports eyas.cli"),
+])
+def test_the_rule_catches_an_import_against_the_floors(module, source, found):
+    """The checker itself: a later stage, the front door or a library module reaching up, inside a function too."""
+    [(_, why)] = _wrong_imports(module, ast.parse(source))
+    assert found in why
 
 
-def test_the_rule_catches_a_front_door_import():
-    """The checker itself: the front door named as a module or from its package, inside a function too."""
-    tree = ast.parse("from eyas import config, plan\nimport eyas.launch\ndef f():\n    from eyas.cli import main\n")
-    found = [_front_door_imports(node, imported) for node, imported, _ in _eyas_imports(tree)]
-    assert found == [["eyas.plan"], ["eyas.launch"], ["eyas.cli"]]
+def test_the_rule_lets_the_floors_import_down():
+    source = "from eyas.config import Recipe\nfrom eyas.data.dump import dump\ndef f():\n    import eyas.eval.kv\n"
+    assert _wrong_imports("eyas.eval.cli", ast.parse(source)) == []
+    assert _wrong_imports("eyas.cli.plan", ast.parse(source)) == []
 
 
 def test_recipe_kinds_are_the_registry():

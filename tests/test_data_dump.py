@@ -265,7 +265,7 @@ def test_corrupt_and_truncated_shards_are_caught_and_repaired(workspace, capsys)
 def test_rerun_trusts_finished_shards_and_reverify_rehashes(workspace, capsys, monkeypatch):
     """A rerun hashes no finished shard (sidecar, size and header only); the reader still stops at the
     corrupt sample; `eyas dump --reverify` hashes them all and redoes the corrupt one."""
-    from eyas.cli import main
+    from eyas.cli.main import main
     from eyas.data import shard_writer
 
     trusting, shard_dir, original, flipped = _copy_with_a_flipped_byte(workspace, "trusting")

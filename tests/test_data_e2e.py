@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from eyas.cli import main as eyas_main
+from eyas.cli.main import main as eyas_main
 from eyas.data.prepare import load_prepared
 from eyas.data.shard_reader import ShardReader
 from eyas.data.shard_verify import verify

@@ -73,7 +73,7 @@ def test_auto_without_vllm_or_with_another_release_names_the_install(checkpoint,
 
 
 def test_the_quickstart_says_why_vllm_did_not_run(capsys):
-    from eyas.quickstart import _print_vllm
+    from eyas.cli.quickstart import _print_vllm
 
     _print_vllm({"settings": {"engine_setting": "auto", "engine_note": "eyas's decoder alone: no draft checkpoint"}})
     assert capsys.readouterr().out == "\nvLLM: not run (eyas's decoder alone: no draft checkpoint)\n"

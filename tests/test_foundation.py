@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from eyas.cli import main as cli_main
+from eyas.cli.main import main as cli_main
 from eyas.config import TargetConfig
 from eyas.data.sources import is_heldout, load_rows, normalize_row, split_heldout
 from eyas.errors import EyasError

@@ -248,7 +248,11 @@ def test_the_lent_machine_command_installs_the_carried_wheels_and_brings_back_th
         folder.mkdir(parents=True)
     _wheel(root / ".whl")
     (root / "benchmarks" / "gpu_check.sh").write_text(STUB_CHECK)
-    (bin_dir / "python3").symlink_to(sys.executable)  # the lent machine's interpreter is `python3`
+    # The lent machine's interpreter is `python3`: here a script that runs this one by its own path (a link to a
+    # venv's interpreter from outside the venv would not find the venv's packages, which sit beside pyvenv.cfg).
+    python3 = bin_dir / "python3"
+    python3.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python3.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.endswith("_OFFLINE") and k != "PYTHONPATH"}
     env.update(OUT=str(out), PATH=f"{bin_dir}:{env['PATH']}", TMPDIR=str(tmp_path))
     done = subprocess.run(["bash", "-c", command], cwd=root, env=env, capture_output=True, text=True, timeout=300)

@@ -18,7 +18,7 @@ import pytest
 import yaml
 from train_helpers import make_workspace, new_run, pause_training_at
 
-from eyas import launch
+from eyas.cli import launch
 from eyas.train.checkpoint import list_checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
@@ -213,7 +213,7 @@ def test_launcher_failures_give_the_workers_exit_codes():
 
 
 def test_a_launcher_eyas_does_not_run_is_a_one_line_error(capsys):
-    from eyas.cli import main
+    from eyas.cli.main import main
 
     assert main(["launch", "deepspeed", "train.py"]) == 2
     err = capsys.readouterr().err

@@ -16,7 +16,7 @@ import torch
 from train_helpers import make_workspace, new_run
 
 from eyas import memory as shared
-from eyas import plan
+from eyas.cli import plan
 from eyas.config import load_recipe
 from eyas.data import memory as dump_memory
 from eyas.errors import EyasError

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eyas import quickstart, stages
+from eyas import stages
+from eyas.cli import quickstart
 from eyas.config import load_recipe
 
 RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))

@@ -204,7 +204,7 @@ def test_legacy_shards_without_sample_checksums_are_hashed_at_first_read(dumps):
 
 
 def test_eyas_verify_command(dumps, capsys):
-    from eyas.cli import main
+    from eyas.cli.main import main
 
     good = dumps["main"]
     assert main(["verify", str(good.run_dir)]) == 0

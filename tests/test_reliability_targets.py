@@ -147,7 +147,7 @@ def _config_only_target(folder: Path, family: str, tokenizer_from: Path) -> Path
 
 def test_every_stage_refuses_a_linear_attention_or_recurrent_target_by_family_before_its_weights(
         tmp_path, tiny_llama_dir, capsys):
-    from eyas.cli import main as cli
+    from eyas.cli.main import main as cli
 
     def refusal(stage: str, recipe: Path, *extra: str) -> str:
         assert cli([stage, str(recipe), *extra]) == 2

@@ -71,3 +71,16 @@ def test_positions_are_counted_by_the_target_tokens_rank_among_the_drafts():
         expected[rank] += weight[b, t]
     assert torch.equal(counts, expected)
     assert float(counts[0]) == float(((logits.argmax(-1) == reference).float() * weight).sum())
+
+
+def test_a_tied_reference_ranks_as_argmax_breaks_the_tie():
+    """bf16 logits tie often: rank 0 is exactly the positions where the draft's argmax is the reference, so the
+    rank-0 rate a tree figure reads equals the accuracy the chain figure reads, in any precision."""
+    logits = torch.tensor([[[1.0, 3.0, 3.0, 0.5], [2.0, 2.0, 2.0, 2.0]]]).to(torch.bfloat16)
+    reference = torch.tensor([[2, 0]])
+    assert _reference_rank(logits, reference).tolist() == [[1, 0]]  # token 1 wins the tie at slot 0
+    generator = torch.Generator().manual_seed(1)
+    rounded = (torch.randn(3, 40, 16, generator=generator) * 2).round().to(torch.bfloat16)  # many ties
+    reference = torch.randint(0, 16, (3, 40), generator=generator)
+    rank = _reference_rank(rounded, reference)
+    assert torch.equal(rank == 0, rounded.argmax(-1) == reference)

@@ -122,13 +122,13 @@ def test_record_is_plain_json_beside_the_output(tmp_path):
     assert set(record["sections"]) == {"target", "data", "run.seed"}
 
 
-# --- the command table (eyas.pipeline) and its four readers ------------------------------------
+# --- the stage table (eyas.pipeline), the command table (eyas.cli.commands) and their readers ------------------------------------
 
 
 def test_every_command_module_imports_and_has_main():
     import importlib
 
-    from eyas.pipeline import COMMANDS
+    from eyas.cli.commands import COMMANDS
 
     for name, command in COMMANDS.items():
         module = importlib.import_module(command.module)
@@ -136,8 +136,8 @@ def test_every_command_module_imports_and_has_main():
 
 
 def test_eyas_help_lists_the_table_and_an_unknown_command_names_it(capsys):
-    from eyas.cli import main
-    from eyas.pipeline import COMMANDS
+    from eyas.cli.commands import COMMANDS
+    from eyas.cli.main import main
 
     assert main(["--help"]) == 0
     listed = [line.split(None, 1) for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
@@ -150,9 +150,9 @@ def test_a_stage_help_is_the_table_line_handed_down(capsys, monkeypatch):
     """`eyas prepare --help` shows the table's help, which the dispatcher hands down (no stage imports the
     table); a stage's `main` called directly shows its module docstring's first line instead."""
     from eyas import stage_cli
-    from eyas.cli import main
+    from eyas.cli.commands import COMMANDS
+    from eyas.cli.main import main
     from eyas.data import prepare
-    from eyas.pipeline import COMMANDS
 
     for name in ("prepare", "dump", "train"):
         with pytest.raises(SystemExit):
@@ -165,10 +165,13 @@ def test_a_stage_help_is_the_table_line_handed_down(capsys, monkeypatch):
 
 
 def test_pipeline_stages_read_only_earlier_stages_and_write_apart(tmp_path):
-    from eyas.pipeline import COMMANDS, PIPELINE
+    from eyas.cli.commands import COMMANDS, TOOLS
+    from eyas.pipeline import PIPELINE, STAGES
 
     assert list(stages.STAGES) == list(PIPELINE) == ["prepare", "dump", "train", "eval", "export"]
-    assert [name for name, command in COMMANDS.items() if command.is_stage] == list(PIPELINE)
+    assert [name for name in COMMANDS if name not in {t.name for t in TOOLS}] == list(PIPELINE)
+    assert all((COMMANDS[name].module, COMMANDS[name].help) == (STAGES[name].module, STAGES[name].help)
+               for name in PIPELINE)  # a stage's command is its row of the stage table
     assert list(COMMANDS)[:len(PIPELINE)] == list(PIPELINE)  # `eyas --help` lists the stages first, in run order
     for overrides in ((), ("train.source=online", "eval.prompts=heldout")):
         recipe = _recipe(tmp_path, *overrides)
@@ -202,7 +205,7 @@ def test_slurm_job_order_is_the_table_order(tmp_path, capsys):
 
 
 def test_quickstart_runs_the_table_stages_in_order(tmp_path, monkeypatch, capsys):
-    from eyas import quickstart
+    from eyas.cli import quickstart
     from eyas.pipeline import PIPELINE
 
     assert quickstart.STAGES == ("target", *PIPELINE) and tuple(quickstart.STEPS) == quickstart.STAGES

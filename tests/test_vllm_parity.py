@@ -356,9 +356,9 @@ def test_eval_engine_auto_serves_the_draft_in_vllm(parity_drafts, tmp_path, caps
     """`eyas eval` with `eval.engine: auto` (the quickstart's) where vLLM is installed: the draft is exported
     and served beside eyas's decoder on the run's held-out prompts, and the quickstart's lines print each
     engine's speedup over its own target alone, as the report holds them."""
+    from eyas.cli.quickstart import _print_vllm
     from eyas.config import load_recipe
     from eyas.eval.cli import run
-    from eyas.quickstart import _print_vllm
 
     checkpoint = parity_drafts["eagle3"]
     recipe = load_recipe(_recipe(checkpoint.parent.parent.parent, "eagle3"), [

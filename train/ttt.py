@@ -362,10 +362,14 @@ def _still_reached(reached: torch.Tensor | None, within: torch.Tensor | None) ->
 
 
 def _reference_rank(logits: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-    """The reference token's rank among the draft's logits (the number of draft tokens scored strictly above it);
-    the vocabulary's size for a reference outside the draft vocabulary (-1)."""
-    scored = logits.gather(-1, reference.clamp(min=0).unsqueeze(-1))
-    rank = (logits > scored).sum(-1)
+    """The reference token's rank among the draft's logits: the draft tokens scored above it, a tie counted above
+    where its id is lower (as `argmax` breaks ties, so rank 0 is exactly `argmax == reference`: in bf16, ties are
+    common and a tie counted for the reference made the rank-0 rate exceed the accuracy); the vocabulary's size for
+    a reference outside the draft vocabulary (-1)."""
+    index = reference.clamp(min=0).unsqueeze(-1)
+    scored = logits.gather(-1, index)
+    lower_id = torch.arange(logits.shape[-1], device=logits.device) < index
+    rank = ((logits > scored) | ((logits == scored) & lower_id)).sum(-1)
     return torch.where(reference < 0, logits.shape[-1], rank)
 
 

@@ -1,20 +1,19 @@
-"""The `eyas` command: one subcommand per row of the command table (`eyas.pipeline`).
+"""The `eyas` command: one subcommand per row of the command table (`eyas.cli.commands`).
 
 Each stage lives in its own module with a `main(argv) -> int`; this file only dispatches,
 so `eyas train RECIPE`, `python -m eyas.train RECIPE` and
 `accelerate launch -m eyas.train RECIPE` run the same code. What every stage's `main` shares
-(`stage_main`, `stage_parser`, `guarded`) lives below the front door, in `eyas.stage_cli`; the
-dispatcher hands each command's one-line help down to it from the table.
+(`stage_main`, `stage_parser`, `guarded`, `run_command`) lives below the front door, in `eyas.stage_cli`;
+the dispatcher hands each command's one-line help down to it from the table.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 
-from eyas.pipeline import COMMANDS
-from eyas.stage_cli import Terminated, catch_sigterm, hand_down_help, stopped_by_sigterm
+from eyas.cli.commands import COMMANDS
+from eyas.stage_cli import Terminated, catch_sigterm, run_command, stopped_by_sigterm
 
 
 def quiet_thread_waits() -> None:
@@ -28,20 +27,6 @@ def quiet_thread_waits() -> None:
     about 50 with PASSIVE (and one thread). A user's own setting wins.
     """
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
-def run_stage(name: str, argv: list[str]) -> int:
-    """Import the command's module and run its `main(argv)`, its one-line help handed down from the table."""
-    module_name = COMMANDS[name].module
-    hand_down_help(name, COMMANDS[name].help)
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name and module_name.startswith(exc.name):  # the stage module itself is missing
-            print(f"eyas: error: the '{name}' stage is not built yet in this version of eyas", file=sys.stderr)
-            return 3
-        raise
-    return int(module.main(argv) or 0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     quiet_thread_waits()
     catch_sigterm()  # from here on, also while the stage module (torch, transformers) is imported
     try:
-        return run_stage(argv[0], argv[1:])
+        command = COMMANDS[argv[0]]
+        return run_command(command.name, command.module, command.help, argv[1:])
     except Terminated as exc:
         return stopped_by_sigterm(exc)
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from eyas import stages
-from eyas.cli import quiet_thread_waits
+from eyas.cli.main import quiet_thread_waits
 from eyas.config import Recipe, save_resolved
 from eyas.errors import EyasError
 from eyas.pipeline import PIPELINE
@@ -385,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    quiet_thread_waits()  # `python -m eyas.quickstart` does not pass through `eyas.cli.main`
+    quiet_thread_waits()  # `python -m eyas.cli.quickstart` does not pass through `eyas.cli.main`
 
     def body(recipe: Recipe, args: argparse.Namespace) -> int:
         if args.fresh and recipe.run_dir.exists():

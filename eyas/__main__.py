@@ -1,5 +1,0 @@
-import sys
-
-from eyas.cli import main
-
-sys.exit(main())
