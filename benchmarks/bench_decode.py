@@ -20,14 +20,12 @@ the acceptance curves of the last repeat to benchmarks/results/bench_decode.png.
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from machine import machine, output_path, smoke_dir, smoke_note, tiny_target, versions  # benchmarks/machine.py
+from machine import add_report_args, apply_smoke, bench_lines, machine, output_path, run_record, set_threads, slug, versions, write_json
 
 RESULTS = Path(__file__).parent / "results" / "bench_decode.json"
 
@@ -49,34 +47,23 @@ def parse_args(argv):
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1: on a shared 2-core machine 2 threads oversubscribe)")
-    parser.add_argument("--out", help="results JSON (default benchmarks/results/bench_decode.json; --smoke: a temp folder)")
-    parser.add_argument("--smoke", action="store_true", help="seconds: a tiny target, truncated:2, 8 tokens, one repeat")
+    add_report_args(parser, "bench_decode.json", "seconds: a tiny target, truncated:2, 8 tokens, one repeat")
     args = parser.parse_args(argv)
-    if args.smoke:
-        smoke_note("bench_decode")
-        args.target = str(tiny_target(smoke_dir("bench_decode") / "target"))
-        args.draft, args.max_new_tokens, args.repeats = args.draft or ["truncated:2"], 8, 1
+    apply_smoke(args, "bench_decode", draft=args.draft or ["truncated:2"], max_new_tokens=8, repeats=1)
     return args
-
-
-def slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_")
 
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    import torch
-
-    from eyas.config import TargetConfig
     from eyas.decode import SamplingParams
     from eyas.eval.drafts import make_draft
     from eyas.eval.prompts import Prompt
     from eyas.eval.runner import encode_prompts, evaluate
+    from eyas.recipe_schema import TargetConfig
     from eyas.shapes import parse_shape
     from eyas.targets import load_target
 
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     drafts_specs = args.draft or ["truncated:4"]
     target_cfg = TargetConfig(path=args.target)
     target, tokenizer = load_target(target_cfg)
@@ -113,12 +100,11 @@ def main(argv=None) -> int:
             "greedy_match": (f"{sum(m['matched'] for m in match)}/{sum(m['compared'] for m in match)}"
                              if all(match) else None),
         }
-    print(f"BENCH decode_baseline_tokens_per_s {figures['baseline_tokens_per_s']:.2f} tok/s")
+    bench_lines(f"decode_baseline_tokens_per_s {figures['baseline_tokens_per_s']:.2f} tok/s")
     for label, f in per_config.items():
         name = slug(label)
-        print(f"BENCH decode_speedup_{name} {f['speedup']:.2f} ratio")
-        print(f"BENCH decode_tau_{name} {f['tau']:.2f} tokens/verify")
-        print(f"BENCH decode_bookkeeping_{name} {f['bookkeeping_frac']:.3f} fraction")
+        bench_lines(f"decode_speedup_{name} {f['speedup']:.2f} ratio", f"decode_tau_{name} {f['tau']:.2f} tokens/verify",
+                    f"decode_bookkeeping_{name} {f['bookkeeping_frac']:.3f} fraction")
         if f["greedy_match"]:
             print(f"# {label}: greedy output identical to the target's on {f['greedy_match']} decodes; "
                   f"time split draft {f['draft_frac']:.0%} / target {f['target_frac']:.0%} / "
@@ -131,10 +117,8 @@ def main(argv=None) -> int:
               "settings": {"temperature": args.temperature, "prompts_used": len(encoded)},
               "configs": runs[-1]["configs"]}
     plot(curves, out.with_suffix(".png"))
-    out.write_text(json.dumps({
-        "script": "benchmarks/bench_decode.py",
-        "command": " ".join(["python", "benchmarks/bench_decode.py"] + (sys.argv[1:] if argv is None else argv)),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    write_json(out, {
+        **run_record(__file__, argv),
         "machine": machine() | {"device": str(target.device)},
         "versions": versions("transformers"),
         "settings": {"target": args.target, "smoke": args.smoke, "drafts": drafts_specs, "shapes": args.shapes,
@@ -142,7 +126,7 @@ def main(argv=None) -> int:
                      "prompts": [p for _, p in PROMPTS]},
         "figures": figures, "configs": per_config, "seconds": time.time() - start,
         "runs": runs,
-    }, indent=2, default=str))
+    }, newline=False, default=str)
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
 

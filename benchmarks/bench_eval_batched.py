@@ -20,14 +20,13 @@ Prints `BENCH` lines and writes benchmarks/results/bench_eval_batched.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from machine import machine, output_path, smoke_dir, smoke_note, tiny_target, versions  # benchmarks/machine.py
+from machine import add_report_args, apply_smoke, bench_lines, command_line, environment, output_path, set_threads, write_json
 
 RESULTS = Path(__file__).parent / "results" / "bench_eval_batched.json"
 BROAD = Path(__file__).parent / "prompts" / "broad.jsonl"
@@ -47,13 +46,9 @@ def parse_args(argv):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0,
                         help="torch CPU threads (0: torch's default, as eval runs; 1: steadier on a shared machine)")
-    parser.add_argument("--out", help="results JSON (default benchmarks/results/bench_eval_batched.json)")
-    parser.add_argument("--smoke", action="store_true", help="seconds: a tiny target, 4 prompts, 8 tokens, 1 repeat")
+    add_report_args(parser, "bench_eval_batched.json", "seconds: a tiny target, 4 prompts, 8 tokens, 1 repeat")
     args = parser.parse_args(argv)
-    if args.smoke:
-        smoke_note("bench_eval_batched")
-        args.target = str(tiny_target(smoke_dir("bench_eval_batched") / "target"))
-        args.max_prompts, args.max_new_tokens, args.repeats = 4, 8, 1
+    apply_smoke(args, "bench_eval_batched", max_prompts=4, max_new_tokens=8, repeats=1)
     return args
 
 
@@ -61,9 +56,10 @@ def init_head(target, tokenizer, folder: Path) -> Path:
     """An eagle3 head at initialisation for this target, saved as a draft directory."""
     import torch
 
-    from eyas.config import DraftConfig, default_layers
     from eyas.draft.checkpoint import save_draft
+    from eyas.draft.features import default_layers
     from eyas.draft.registry import build_head
+    from eyas.recipe_schema import DraftConfig
     from eyas.targets import target_identity
 
     torch.manual_seed(0)
@@ -90,16 +86,15 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from eyas.config import TargetConfig
     from eyas.decode import SamplingParams
     from eyas.eval.drafts import make_draft
     from eyas.eval.prompts import load_prompts, render
     from eyas.eval.runner import EncodedPrompt, evaluate
+    from eyas.recipe_schema import TargetConfig
     from eyas.shapes import parse_shape
     from eyas.targets import load_target
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     target, tokenizer = load_target(TargetConfig(path=args.target, dtype=args.dtype))
     greedy = SamplingParams(0.0)
     scratch = Path(tempfile.mkdtemp(prefix="eyas-bench-eval-batched-"))
@@ -133,23 +128,20 @@ def main(argv=None) -> int:
                 "speedup_over_target": overall["speedup"], "greedy_match": overall.get("greedy_match"),
                 "batched": config["batched"], "batch_note": config["batch_note"]}
         configs.setdefault("target alone", {})[mode] = {"prompts_per_s": report["baseline"]["overall"]["prompts_per_s"]}
-    for mode in runs:
-        print(f"BENCH eval_{mode}_prompts_per_s {len(prompts) / seconds[mode]:.4f} prompts/s")
-    print(f"BENCH eval_batched_speedup {speedup:.3f} ratio")
+    bench_lines(*(f"eval_{mode}_prompts_per_s {len(prompts) / seconds[mode]:.4f} prompts/s" for mode in runs),
+                f"eval_batched_speedup {speedup:.3f} ratio")
     for shape, modes in configs.items():
         line = "  ".join(f"{mode} {m['prompts_per_s']:.3f} prompts/s" + (f" tau {m['tau']:.2f} greedy_match "
                                                                           f"{m['greedy_match']}" if "tau" in m else "")
                          for mode, m in modes.items())
         print(f"# {shape}: {line}")
-    out = output_path(args.out, RESULTS, args.smoke, scratch)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "command": " ".join(["python", "benchmarks/bench_eval_batched.py", *(argv or sys.argv[1:])]),
+    out = write_json(output_path(args.out, RESULTS, args.smoke, scratch), {
+        "command": command_line(__file__, argv or None),
         "settings": {**vars(args), "batch_size": batch, "draft": spec, "draft_is": what, "prompts_used": len(prompts)},
         "eval_seconds": runs, "median_eval_seconds": seconds, "speedup": speedup,
         "prompts_per_s": {mode: len(prompts) / s for mode, s in seconds.items()}, "configs": configs,
-        "machine": machine(), "versions": versions("torch", "transformers"),
-    }, indent=2) + "\n")
+        **environment("torch", "transformers"),
+    })
     print(f"wrote {out}")
     return 0
 

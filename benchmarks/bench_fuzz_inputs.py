@@ -17,25 +17,25 @@ exits 1 if k > 0.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
-from machine import REPO, machine, output_path, smoke_note, versions  # benchmarks/machine.py
+from machine import add_report_args, apply_smoke, bench_lines, command_line, environment, output_path, tests_module, write_json
 
 RESULTS = Path(__file__).parent / "results" / "bench_fuzz_inputs.json"
 
 
 def fuzz(name: str, examples: int, seed: int, work: Path) -> dict:
     """Run one parser's check on `examples` generated inputs, catching what escapes it instead of stopping."""
-    from fuzz_inputs import PARSERS, describe
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as fixed_seed
 
-    strategy, check = PARSERS[name]
+    fuzz_inputs = tests_module("fuzz_inputs")  # the parsers' strategies and checks: tests/fuzz_inputs.py
+    describe = fuzz_inputs.describe
+    strategy, check = fuzz_inputs.PARSERS[name]
     tried, outcomes, faults, first = 0, Counter(), Counter(), {}
 
     @fixed_seed(seed)
@@ -64,13 +64,9 @@ def main() -> int:
     parser.add_argument("--examples", type=int, default=2000, help="inputs per parser")
     parser.add_argument("--seed", type=int, default=0, help="hypothesis seed (the same seed, the same inputs)")
     parser.add_argument("--parsers", default="recipe,chat_rows,prompts,shards", help="comma list of parsers")
-    parser.add_argument("--smoke", action="store_true", help="30 inputs per parser, JSON in a temp folder")
-    parser.add_argument("--out", default=None, help=f"results JSON (default {RESULTS})")
+    add_report_args(parser, "bench_fuzz_inputs.json", "30 inputs per parser, JSON in a temp folder")
     args = parser.parse_args()
-    if args.smoke:
-        smoke_note(Path(__file__).name)
-        args.examples = 30
-    sys.path.insert(0, str(REPO / "tests"))  # the parsers' strategies and checks: tests/fuzz_inputs.py
+    apply_smoke(args, "bench_fuzz_inputs", target=False, examples=30)
 
     results = {}
     with tempfile.TemporaryDirectory(prefix="eyas-fuzz-") as folder:
@@ -79,20 +75,17 @@ def main() -> int:
             work.mkdir()
             result = results[name] = fuzz(name, args.examples, args.seed, work)
             seen = ", ".join(f"{n} {outcome}" for outcome, n in result["outcomes"].items())
-            print(f"BENCH fuzz_inputs_{name} {result['tried']} tried, {result['tracebacks']} tracebacks "
-                  f"({seen}; {result['seconds']} s)", flush=True)
+            bench_lines(f"fuzz_inputs_{name} {result['tried']} tried, {result['tracebacks']} tracebacks "
+                        f"({seen}; {result['seconds']} s)")
             for fault in result["faults"]:
                 print(f"  {fault['count']} x {fault['fault']}\n    first input: {fault['input']}", flush=True)
     tried = sum(r["tried"] for r in results.values())
     tracebacks = sum(r["tracebacks"] for r in results.values())
-    print(f"BENCH fuzz_inputs {tried} tried, {tracebacks} tracebacks", flush=True)
+    bench_lines(f"fuzz_inputs {tried} tried, {tracebacks} tracebacks")
 
-    out = output_path(args.out, RESULTS, args.smoke)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    record = {"command": " ".join(["python", "benchmarks/bench_fuzz_inputs.py", *sys.argv[1:]]),
-              "examples_per_parser": args.examples, "seed": args.seed, "tried": tried, "tracebacks": tracebacks,
-              "parsers": results, "machine": machine(), "versions": versions("hypothesis", "pyyaml", "safetensors")}
-    out.write_text(json.dumps(record, indent=2) + "\n")
+    record = {"command": command_line(__file__), "examples_per_parser": args.examples, "seed": args.seed, "tried": tried,
+              "tracebacks": tracebacks, "parsers": results, **environment("hypothesis", "pyyaml", "safetensors")}
+    out = write_json(output_path(args.out, RESULTS, args.smoke), record)
     print(f"wrote {out}")
     return 1 if tracebacks else 0
 

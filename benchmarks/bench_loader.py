@@ -34,7 +34,6 @@ import os
 os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported: what `accelerate launch` sets
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -45,41 +44,12 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from bench_train import model_flops  # noqa: E402  (benchmarks/bench_train.py)
-from machine import machine, output_path, smoke_note, versions  # noqa: E402  (benchmarks/machine.py)
+from machine import add_report_args, apply_smoke, environment, output_path, publish, stamp, write_synthetic_dump  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "bench_loader.json"
 GPU_FLOPS = 400e12  # assumed effective rate: H100 dense bf16 (989 TFLOP/s peak) at ~40% MFU
 TARGET_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
              "num_hidden_layers": 32, "vocab_size": 128256}
-
-
-def write_dump(directory: Path, lengths: np.ndarray, hidden: int, vocab: int, shard_tokens: int) -> dict:
-    """fp8 eagle3 shards (three fused layers + last hidden) of random features, as `eyas dump` lays them out."""
-    from eyas.data.dump import finalize_split, plan_shards
-    from eyas.data.shard_format import SCHEMA_VERSION, encode, ids_dtype
-    from eyas.data.shard_writer import write_shard
-
-    plan = "bench-loader-plan"
-    directory.mkdir(parents=True, exist_ok=True)
-    shards = plan_shards(lengths, shard_tokens)
-    for k, ids in enumerate(shards):
-        tokens = int(lengths[ids].sum())
-        g = torch.Generator().manual_seed(k)
-        tensors = {
-            "input_ids": torch.randint(0, vocab, (tokens,), generator=g, dtype=torch.int32).to(ids_dtype(vocab)),
-            "loss_mask": torch.ones(tokens, dtype=torch.uint8),
-            "offsets": torch.from_numpy(np.concatenate([[0], np.cumsum(lengths[ids])])).long(),
-            "sample_index": torch.from_numpy(ids.astype(np.int64)),
-        }
-        for name in ("aux_hidden.0", "aux_hidden.1", "aux_hidden.2", "last_hidden"):
-            for suffix, t in encode(torch.randn(tokens, hidden, generator=g, dtype=torch.bfloat16), "fp8").items():
-                tensors[name + suffix] = t
-        write_shard(directory, k, tensors, {"schema_version": SCHEMA_VERSION, "plan": plan, "shard": k})
-    header = {"schema_version": SCHEMA_VERSION, "target_identity": "synthetic", "identity_scheme": 2,
-              "target_path": "none", "hidden_size": hidden, "layers": [2, 16, 29], "encoding": "fp8",
-              "features": {"aux_hidden": {"layers": [2, 16, 29], "encodings": ["fp8"] * 3, "shape": [3 * hidden]},
-                           "last_hidden": {"encoding": "fp8", "shape": [hidden]}}}
-    return finalize_split(directory, len(shards), header, wait=False, plan=plan)
 
 
 class DecodedOnly:
@@ -131,8 +101,9 @@ def gpu_demand(lengths: np.ndarray, ttt: int) -> dict:
     """Tokens/s a GPU trainer consumes at 8B shapes: model FLOPs per token at an assumed rate (an estimate)."""
     from transformers import LlamaConfig
 
-    from eyas.config import DraftConfig, default_layers
+    from eyas.draft.features import default_layers
     from eyas.draft.registry import head_class
+    from eyas.recipe_schema import DraftConfig
 
     target = LlamaConfig(**TARGET_8B)
     head = head_class("eagle3").head_config(DraftConfig(kind="eagle3"), target, default_layers(32), 32000, "")
@@ -146,17 +117,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, default=20, help="batches of --token-budget tokens in the dump")
     parser.add_argument("--token-budget", type=int, default=8192)
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--hidden", type=int, default=4096, help="hidden size of the features (Llama-3.1-8B: 4096)")
+    parser.add_argument("--vocab", type=int, default=128256, help="target vocabulary (Llama-3.1-8B: 128256; int32 ids)")
     parser.add_argument("--workers", type=int, default=2, help="loader workers of the new path")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ttt", type=int, default=7, help="unrolled draft steps in the demand estimate")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, one repeat: tests the plumbing")
-    parser.add_argument("--out", help="results JSON (default benchmarks/results/bench_loader.json)")
+    add_report_args(parser, "bench_loader.json", "tiny shapes, one repeat: tests the plumbing")
     args = parser.parse_args(argv)
-    if args.smoke:
-        smoke_note("bench_loader")
-        args.batches, args.token_budget, args.hidden, args.repeats = 4, 512, 64, 1
+    apply_smoke(args, "bench_loader", target=False, batches=4, token_budget=512, hidden=64, repeats=1)
     torch.set_num_threads(1)
     out = output_path(args.out, RESULTS, args.smoke)
     rng = np.random.default_rng(0)
@@ -166,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="eyas-bench-loader-"))
     try:
         started = time.perf_counter()
-        write_dump(root / "shards", lengths, args.hidden, args.vocab, shard_tokens=4 * args.token_budget)
+        # fp8 eagle3 shards (three fused layers + last hidden) of random bf16 features
+        write_synthetic_dump(root / "shards", lengths, args.hidden, args.vocab, 4 * args.token_budget, [2, 16, 29],
+                             "bench-loader-plan", dtype=torch.bfloat16)
         write_s = time.perf_counter() - started
         print(f"bench_loader: wrote {len(lengths)} samples, {int(lengths.sum())} tokens in {write_s:.0f} s", flush=True)
         runs: dict[str, list[dict]] = {"old": [], "new": [], "new_codes": []}
@@ -197,19 +167,13 @@ def main(argv: list[str] | None = None) -> int:
         "settings": vars(args) | {"encoding": "fp8", "features": "eagle3: aux_hidden x3 + last_hidden",
                                   "sample_tokens": [low, high], "samples": len(lengths), "tokens": int(lengths.sum()),
                                   "omp_num_threads": os.environ["OMP_NUM_THREADS"], "verify": True, "prefetch": 2},
-        "machine": machine(), "versions": versions("safetensors"),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **environment("safetensors"), "date": stamp(),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"BENCH loader_tokens_per_s_new {rate['new']:.0f} tokens/s")
-    print(f"BENCH loader_tokens_per_s_new_codes {rate['new_codes']:.0f} tokens/s")
-    print(f"BENCH loader_tokens_per_s_old {rate['old']:.0f} tokens/s")
-    print(f"BENCH loader_new_vs_old {figures['new_vs_old']:.2f} ratio")
-    print(f"BENCH loader_new_codes_vs_old {figures['new_codes_vs_old']:.2f} ratio")
-    print(f"BENCH loader_gpu_demand_estimate {demand['tokens_per_s']:.0f} tokens/s")
-    print(f"BENCH loader_vs_gpu_step_demand {figures['loader_vs_gpu_step_demand']:.2f} ratio")
-    print(f"bench_loader: wrote {out}")
+    lines = [f"loader_tokens_per_s_{path} {rate[path]:.0f} tokens/s" for path in ("new", "new_codes", "old")]
+    lines += [f"loader_{name} {figures[name]:.2f} ratio" for name in ("new_vs_old", "new_codes_vs_old")]
+    lines += [f"loader_gpu_demand_estimate {demand['tokens_per_s']:.0f} tokens/s",
+              f"loader_vs_gpu_step_demand {figures['loader_vs_gpu_step_demand']:.2f} ratio"]
+    publish(out, report, lines, "bench_loader", newline=False)
     return 0
 
 

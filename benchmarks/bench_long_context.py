@@ -50,7 +50,7 @@ import weakref
 from pathlib import Path
 
 import torch
-from machine import machine, output_path, smoke_note, versions  # benchmarks/machine.py
+from machine import add_report_args, apply_smoke, bench_lines, child_json, environment, output_path, reset_peak, status_kib, write_json
 
 RESULTS = Path(__file__).parent / "results" / "bench_long_context.json"
 GIB = 2 ** 30
@@ -111,8 +111,8 @@ def eagle3_head(spec: dict):
     """An eagle3 head on a Llama-shaped target of the spec's sizes (draft vocabulary = the target's)."""
     from transformers import LlamaConfig
 
-    from eyas.config import DraftConfig
     from eyas.draft.registry import build_head
+    from eyas.recipe_schema import DraftConfig
 
     target = LlamaConfig(vocab_size=spec["vocab"], hidden_size=spec["hidden"], intermediate_size=spec["intermediate"],
                          num_hidden_layers=32, num_attention_heads=spec["heads"], num_key_value_heads=spec["kv_heads"],
@@ -154,11 +154,6 @@ def build_case(spec: dict):
 # ---- measuring in a subprocess -------------------------------------------------------------------------------
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as handle:
-        return next(int(line.split()[1]) for line in handle if line.startswith(field + ":"))
-
-
 def _reset_peak() -> bool:
     """Hand freed heap memory back to the kernel (else a repeat reuses it unseen), then reset VmHWM to VmRSS."""
     try:
@@ -166,7 +161,7 @@ def _reset_peak() -> bool:
     except (OSError, AttributeError):  # not glibc: only the first repeat's figure is exact
         pass
     try:
-        Path("/proc/self/clear_refs").write_text("5")
+        reset_peak()
         return True
     except OSError:
         return False
@@ -189,14 +184,14 @@ def measure_here(specs: list[dict]) -> list[dict]:
                 before = torch.cuda.memory_allocated()
             else:
                 result["peak_mark_reset"] = _reset_peak() and result["peak_mark_reset"]
-                before = _status_kib("VmRSS")
+                before = status_kib("VmRSS")
             started = time.perf_counter()
             run()
             if cuda:
                 torch.cuda.synchronize()
             result["seconds"].append(time.perf_counter() - started)
             result["peak_bytes"].append(torch.cuda.max_memory_allocated() - before if cuda
-                                        else (_status_kib("VmHWM") - before) * 1024)
+                                        else (status_kib("VmHWM") - before) * 1024)
     return results
 
 
@@ -206,13 +201,9 @@ def measure(specs: list[dict], in_process: bool = False, timeout_s: float | None
     if in_process:
         return measure_here(specs)
     try:
-        done = subprocess.run([sys.executable, __file__, "--case", json.dumps(specs)], capture_output=True, text=True,
-                              timeout=timeout_s)
+        return child_json([sys.executable, __file__, "--case", json.dumps(specs)], f"cases {specs} failed", timeout=timeout_s)
     except subprocess.TimeoutExpired:
         raise SystemExit(f"cases {specs} did not finish in {timeout_s:.0f} s (--case-timeout-s) and were stopped") from None
-    if done.returncode != 0:
-        raise SystemExit(f"cases {specs} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _summary(measured: dict) -> dict:
@@ -395,8 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="part A's device: cpu, or cuda (peak from torch.cuda.max_memory_allocated)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="part A's dtype (on CUDA the fused path needs bfloat16; fp32 falls back to the dense one)")
-    parser.add_argument("--smoke", action="store_true", help="seconds: tiny shapes, the same code paths")
-    parser.add_argument("--out", help="results JSON (default benchmarks/results/bench_long_context.json; --smoke: a temp folder)")
+    add_report_args(parser, "bench_long_context.json", "seconds: tiny shapes, the same code paths")
     parser.add_argument("--case-timeout-s", type=float, default=None,
                         help="stop a case's subprocess after this many seconds (default: no limit)")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: run these cases in this (fresh) process
@@ -406,12 +396,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args.estimate_hidden, args.estimate_heads, args.estimate_intermediate = HIDDEN_8B, HEADS_8B, INTERMEDIATE_8B
     args.estimate_target_vocab = VOCAB_8B
-    if args.smoke:
-        smoke_note("bench_long_context.py")
-        args.seqs, args.heads, args.kv_heads, args.head_dim = [64, 128, 256], 2, 1, 16
-        args.unroll_seq, args.unroll_hidden, args.vocab, args.budget_gb, args.repeats = 64, 32, 256, 0.004, 1
-        args.estimate_seqs, args.estimate_hidden, args.estimate_heads, args.estimate_intermediate = [64, 128], 32, 4, 64
-        args.estimate_target_vocab = 512
+    apply_smoke(args, "bench_long_context", target=False, seqs=[64, 128, 256], heads=2, kv_heads=1, head_dim=16,
+                unroll_seq=64, unroll_hidden=32, vocab=256, budget_gb=0.004, repeats=1, estimate_seqs=[64, 128],
+                estimate_hidden=32, estimate_heads=4, estimate_intermediate=64, estimate_target_vocab=512)
 
     def say(text: str) -> None:
         print(text, flush=True)
@@ -446,23 +433,20 @@ def main(argv: list[str] | None = None) -> int:
         "measured_over_traced_peak": overhead,
         "measured_over_traced_peak_worst": worst,
     }
-    report = {"machine": machine(), "versions": versions("transformers"), "seconds": time.perf_counter() - started,
+    report = {**environment("transformers"), "seconds": time.perf_counter() - started,
               "settings": {k: v for k, v in vars(args).items() if k != "case"}, "figures": figures,
               "attention": attention, "checkpointing": checkpointing, "estimate_8b": estimate}
-    out = output_path(args.out, RESULTS, args.smoke)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    out = write_json(output_path(args.out, RESULTS, args.smoke), report, newline=False)
     say(f"wrote {out} ({report['seconds']:.0f} s)")
-    print(f"BENCH ttt_peak_memory_ratio_{high}_vs_{low} {fused_ratio:.2f} ratio")
-    print(f"BENCH ttt_dense_peak_memory_ratio_{high}_vs_{low}{'' if dense_measured else '_estimated'} {dense_ratio:.2f} ratio")
-    print(f"BENCH ttt_dense_over_fused_peak_memory_{low} {figures['ttt_dense_over_fused_peak_memory_at_low']:.2f} ratio")
-    if figures["ttt_dense_over_fused_time_at_low"] is not None:
-        print(f"BENCH ttt_dense_over_fused_time_{low} {figures['ttt_dense_over_fused_time_at_low']:.2f} ratio")
-    print(f"BENCH checkpoint_unroll_peak_memory_ratio {figures['checkpoint_peak_memory_ratio']:.2f} ratio")
-    print(f"BENCH checkpoint_unroll_time_ratio {figures['checkpoint_time_ratio']:.2f} ratio")
-    for row in estimate:
-        name = f"est_8b_eagle3_peak_{row['seq']}_{row['path']}{'_ckpt' if row['checkpoint'] else ''}"
-        print(f"BENCH {name} {row['estimated_peak_bytes'] / GIB:.1f} GiB")
+    time_ratio = figures["ttt_dense_over_fused_time_at_low"]
+    bench_lines(f"ttt_peak_memory_ratio_{high}_vs_{low} {fused_ratio:.2f} ratio",
+                f"ttt_dense_peak_memory_ratio_{high}_vs_{low}{'' if dense_measured else '_estimated'} {dense_ratio:.2f} ratio",
+                f"ttt_dense_over_fused_peak_memory_{low} {figures['ttt_dense_over_fused_peak_memory_at_low']:.2f} ratio",
+                *([f"ttt_dense_over_fused_time_{low} {time_ratio:.2f} ratio"] if time_ratio is not None else []),
+                f"checkpoint_unroll_peak_memory_ratio {figures['checkpoint_peak_memory_ratio']:.2f} ratio",
+                f"checkpoint_unroll_time_ratio {figures['checkpoint_time_ratio']:.2f} ratio",
+                *(f"est_8b_eagle3_peak_{row['seq']}_{row['path']}{'_ckpt' if row['checkpoint'] else ''} "
+                  f"{row['estimated_peak_bytes'] / GIB:.1f} GiB" for row in estimate))
     return 0
 
 

@@ -7,7 +7,7 @@ in one forward (what the decoder does) against one forward per depth (drafting s
 
 Per prompt and shape the decode runs twice, in alternating order: as the decoder runs it (it passes the
 tree's depth with `plan_depth`, and the draft runs the slots of depths 1..depth-1 in one forward) and
-with the same draft loaded again behind a wrapper that hides `plan_depth` (one slot per forward, the
+with the same draft loaded again behind a wrapper whose `plan_depth` plans nothing (one slot per forward, the
 cost of drafting step by step). Draft time per round is the decoder's own draft clock over its verify
 rounds; the figures are medians over prompts of each prompt's ratio. Both variants' drafted tokens are
 compared: in fp32 they are the same tokens (counts equal); in bf16 the two forward shapes may round a
@@ -18,24 +18,11 @@ benchmarks/results/bench_parallel_drafting.json.
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import statistics
 import sys
 from pathlib import Path
 
-from machine import (  # benchmarks/machine.py
-    REPO,
-    add_decode_args,
-    encoded_prompts,
-    load_decode_target,
-    machine,
-    output_path,
-    smoke_dir,
-    smoke_note,
-    tiny_target,
-    versions,
-)
+import machine  # benchmarks/machine.py
 
 RESULTS = Path(__file__).parent / "results" / "bench_parallel_drafting.json"
 SHAPES = ["chain:3", "chain:5", "dynamic:depth=5,topk=4,nodes=12"]
@@ -43,16 +30,13 @@ SHAPES = ["chain:3", "chain:5", "dynamic:depth=5,topk=4,nodes=12"]
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_decode_args(parser, dtype="auto", shapes=SHAPES, max_prompts=13, max_new_tokens=40)
+    machine.add_decode_args(parser, dtype="auto", shapes=SHAPES, max_prompts=13, max_new_tokens=40)
     parser.add_argument("--draft", help="a peagle checkpoint directory (required unless --smoke)")
-    parser.add_argument("--out", help="results JSON (default benchmarks/results/bench_parallel_drafting.json)")
-    parser.add_argument("--smoke", action="store_true", help="seconds: a tiny target, a random peagle head, 2 prompts")
+    machine.add_report_args(parser, "bench_parallel_drafting.json", "seconds: a tiny target, a random peagle head, 2 prompts")
     args = parser.parse_args(argv)
-    if args.smoke:
-        smoke_note("bench_parallel_drafting")
-        folder = smoke_dir("bench_parallel_drafting")
-        args.target = str(tiny_target(folder / "target"))
-        args.draft, args.dtype, args.max_prompts, args.max_new_tokens = str(random_peagle(folder)), "float32", 2, 12
+    folder = machine.apply_smoke(args, "bench_parallel_drafting", dtype="float32", max_prompts=2, max_new_tokens=12)
+    if folder:
+        args.draft = str(random_peagle(folder))
     elif not args.draft:
         parser.error("--draft: give a peagle checkpoint directory (or --smoke)")
     return args
@@ -64,31 +48,24 @@ def random_peagle(folder: Path) -> Path:
 
     from eyas.draft.checkpoint import save_draft
 
-    sys.path.insert(0, str(REPO / "tests"))
-    try:
-        from fixtures import random_head
-    finally:
-        sys.path.remove(str(REPO / "tests"))
-    head, _, _ = random_head(folder / "target", "peagle")
+    head, _, _ = machine.tests_module("fixtures").random_head(folder / "target", "peagle")
     with torch.no_grad():
         head.mask_hidden.normal_()
     return save_draft(folder / "peagle", head, {"step": 0, "target_path": str(folder / "target")})
 
 
 class StepByStep:
-    """The draft without `plan_depth`: the decoder cannot plan the depth, so each depth's slot runs alone."""
+    """The draft with a `plan_depth` that plans nothing: the decoder's plan does not reach it, so each depth's slot
+    runs alone (the wrapped draft is a copy of its own, never planned)."""
 
     def __init__(self, draft):
         self._draft = draft
 
     def __getattr__(self, name):
-        if name == "plan_depth":
-            raise AttributeError(name)
         return getattr(self._draft, name)
 
-
-def slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_")
+    def plan_depth(self, depth: int) -> None:
+        """Nothing: the draft is left unplanned (one mask slot per forward)."""
 
 
 def measure(target, drafts: dict, shape, prompts: list[list[int]], max_new_tokens: int, eos) -> dict:
@@ -140,30 +117,29 @@ def main(argv=None) -> int:
 
     if read_draft_config(args.draft)["kind"] != "peagle":
         raise EyasError(f"--draft {args.draft} is not a peagle draft: only a parallel drafter has mask slots to plan")
-    target, tokenizer, dtype = load_decode_target(args)
+    target, tokenizer, dtype = machine.load_decode_target(args)
     eos = stop_token_ids(target, tokenizer)
     greedy = SamplingParams(0.0)
     drafts = {name: wrap(make_draft(args.draft, target, tokenizer, greedy, target_path=args.target))
               for name, wrap in (("parallel", lambda d: d), ("step_by_step", StepByStep))}
-    encoded = encoded_prompts(args, tokenizer)
+    encoded = machine.encoded_prompts(args, tokenizer)
     figures = {}
     with torch.inference_mode():
         for spec in args.shapes:
             figures[spec] = f = measure(target, drafts, parse_shape(spec), encoded, args.max_new_tokens, eos)
-            name = slug(spec)
-            print(f"BENCH parallel_draft_ms_per_round_{name} {f['parallel_draft_ms_per_round']:.2f} ms")
-            print(f"BENCH step_by_step_draft_ms_per_round_{name} {f['step_by_step_draft_ms_per_round']:.2f} ms")
-            print(f"BENCH parallel_vs_step_by_step_draft_{name} {f['draft_ratio']:.3f} ratio")
-            print(f"BENCH parallel_vs_step_by_step_decode_{name} {f['decode_ratio']:.3f} ratio")
+            name = machine.slug(spec)
+            machine.bench_lines(f"parallel_draft_ms_per_round_{name} {f['parallel_draft_ms_per_round']:.2f} ms",
+                                f"step_by_step_draft_ms_per_round_{name} {f['step_by_step_draft_ms_per_round']:.2f} ms",
+                                f"parallel_vs_step_by_step_draft_{name} {f['draft_ratio']:.3f} ratio",
+                                f"parallel_vs_step_by_step_decode_{name} {f['decode_ratio']:.3f} ratio")
             print(f"# {spec}: same tokens on {f['same_tokens']}/{f['prompts']} prompts, same per-round counts on "
                   f"{f['same_counts']}/{f['prompts']} ({dtype})", flush=True)
-    out = output_path(args.out, RESULTS, args.smoke)
-    out.write_text(json.dumps({"machine": machine(), "versions": versions("torch", "transformers"),
-                               "settings": {"target": args.target, "draft": args.draft, "dtype": dtype,
-                                            "prompts": args.prompts, "max_prompts": args.max_prompts,
-                                            "max_new_tokens": args.max_new_tokens, "threads": args.threads,
-                                            "smoke": args.smoke},
-                               "figures": figures}, indent=2) + "\n")
+    out = machine.write_json(machine.output_path(args.out, RESULTS, args.smoke), {
+        **machine.environment("torch", "transformers"),
+        "settings": {"target": args.target, "draft": args.draft, "dtype": dtype, "prompts": args.prompts,
+                     "max_prompts": args.max_prompts, "max_new_tokens": args.max_new_tokens, "threads": args.threads,
+                     "smoke": args.smoke},
+        "figures": figures})
     print(f"# results: {out}")
     return 0
 

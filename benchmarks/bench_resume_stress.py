@@ -32,7 +32,7 @@ again against the same reference would not decide.
 
 Launches are cheap by default (`--launch fork`): a multiprocessing fork server imports eyas, torch
 and transformers once and each launch is a fork of it running exactly what `python -m eyas.train`
-runs (`eyas.cli.run_stage("train", argv)`), which saves the ~6 s of imports per launch; the
+runs (`eyas.stage_cli.run_stage("train", argv)`), which saves the ~6 s of imports per launch; the
 reference always runs as a real `python -m eyas.train` (except under `--smoke`), so every
 fork-launched drill is also compared across the two ways of starting.
 """
@@ -64,7 +64,7 @@ import time  # noqa: E402
 from dataclasses import asdict, dataclass, field  # noqa: E402
 from typing import Any  # noqa: E402
 
-from machine import machine, output_path, smoke_note, versions  # noqa: E402  (benchmarks/machine.py)
+from machine import add_report_args, apply_smoke, bench_lines, environment, linked_run, output_path, tests_module, write_json  # noqa: E402
 
 from eyas.train.metrics import first_loss_difference, logged_losses  # noqa: E402
 
@@ -83,14 +83,8 @@ def build_workspace(root: Path, steps: int) -> Path:
     """The test's tiny target and workspace (prepared + dumped) and its recipe; returns the recipe path."""
     import yaml
 
-    sys.path.insert(0, str(REPO / "tests"))
-    try:
-        from fixtures import build_tiny_target
-        from train_helpers import make_workspace
-    finally:
-        sys.path.remove(str(REPO / "tests"))
-    target = build_tiny_target(root / "tiny_llama", "llama")
-    make_workspace(root, target)
+    target = tests_module("fixtures").build_tiny_target(root / "tiny_llama", "llama")
+    tests_module("train_helpers").make_workspace(root, target)
     recipe = {"target": {"path": str(target)}, "run": {"output_dir": str(root)}, "dump": {"draft_vocab_size": 128},
               "train": {**RECIPE_TRAIN, "max_steps": steps}}
     path = root / "recipe.yaml"
@@ -100,12 +94,7 @@ def build_workspace(root: Path, steps: int) -> Path:
 
 def new_run(root: Path, name: str) -> Path:
     """A fresh run folder on the workspace's shards and prepared data (tests/train_helpers.py's new_run)."""
-    run = root / name
-    shutil.rmtree(run, ignore_errors=True)
-    run.mkdir()
-    for part in ("shards", "prepared"):
-        (run / part).symlink_to(root / "base" / part)
-    return run
+    return linked_run(root / name, root / "base", ("shards", "prepared"))
 
 
 # ----------------------------------------------------------------------------- launching
@@ -118,7 +107,7 @@ def _stage_in_child(argv: list[str], log: str) -> None:
     os.dup2(fd, 2)
     os.close(fd)
     os.chdir(REPO)
-    from eyas.cli import run_stage
+    from eyas.stage_cli import run_stage
 
     sys.exit(run_stage("train", argv))
 
@@ -156,7 +145,7 @@ class Launcher:
         self.context = None
         if mode == "fork":
             self.context = multiprocessing.get_context("forkserver")
-            self.context.set_forkserver_preload(["eyas.cli", "eyas.train.loop"])
+            self.context.set_forkserver_preload(["eyas.stage_cli", "eyas.train.loop"])
 
     def start(self, recipe: Path, overrides: list[str], log: Path, mode: str | None = None) -> Job:
         argv = [str(recipe), *overrides]
@@ -421,12 +410,9 @@ def main() -> int:
     parser.add_argument("--launch", choices=("fork", "exec"), default="fork",
                         help="fork: forks of a server that imported eyas once (cheap); exec: `python -m eyas.train` per launch")
     parser.add_argument("--workdir", help="where the workspace is built (default: a temporary folder, removed unless a drill failed)")
-    parser.add_argument("--smoke", action="store_true", help="seconds: 2 drills of 6 steps")
-    parser.add_argument("--out", help="results JSON (default benchmarks/results/bench_resume_stress.json; --smoke: a temp folder)")
+    add_report_args(parser, "bench_resume_stress.json", "seconds: 2 drills of 6 steps")
     args = parser.parse_args()
-    if args.smoke:
-        smoke_note("bench_resume_stress.py")
-        args.drills, args.steps = 2, 6
+    apply_smoke(args, "bench_resume_stress", target=False, drills=2, steps=6)
     out = output_path(args.out, RESULTS, args.smoke)
     root = Path(args.workdir or tempfile.mkdtemp(prefix="eyas-resume-stress-")).resolve()
     root.mkdir(parents=True, exist_ok=True)
@@ -483,13 +469,12 @@ def stress(args: argparse.Namespace, root: Path, out: Path) -> int:
     record = {"passed": passed, "drills": len(drills), "requested": args.drills, "seed": args.seed, "steps": args.steps,
               "launch": args.launch, "step_s_reference": step_s, "seconds": round(time.monotonic() - started, 1),
               "load_average_per_drill": loads, "env": TEST_ENV, "smoke": args.smoke,
-              "machine": machine(), "versions": versions("accelerate", "transformers"), "code": tree,
+              **environment("accelerate", "transformers"), "code": tree,
               "launch_divergences": launch_divergences, "results": [asdict(d) for d in drills]}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1))
+    write_json(out, record, indent=1, newline=False)
     print(f"# {out}")
-    print(f"BENCH resume_bitwise_equal {passed} of {len(drills)}")
-    print(f"BENCH launches_diverged_before_signal {len(launch_divergences)} of {len(drills) + len(launch_divergences)}")
+    bench_lines(f"resume_bitwise_equal {passed} of {len(drills)}",
+                f"launches_diverged_before_signal {len(launch_divergences)} of {len(drills) + len(launch_divergences)}")
     return 0 if passed == len(drills) else 1
 
 

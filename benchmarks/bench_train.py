@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import torch
-from machine import machine, output_path, smoke_dir, smoke_note, tiny_target, versions  # benchmarks/machine.py
+from machine import add_report_args, apply_smoke, environment, output_path, publish, set_threads, stamp
 
 from eyas.cpus import available_cpus
 
@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> dict:
     from eyas.train.loader import BatchStream, to_device
     from eyas.train.loop import Trainer
 
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     root = Path(tempfile.mkdtemp(prefix="eyas-bench-train-"))
     started = time.perf_counter()
     recipe = build_run(root, args.steps + 2, args.seq, args.ttt, args.draft_vocab, args.mixed_precision, args.target)
@@ -174,34 +174,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mixed-precision", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--threads", type=int, default=available_cpus())
     parser.add_argument("--target", default="smollm2-135m-instruct")
-    parser.add_argument("--smoke", action="store_true", help="seconds: tiny target, 64-token sequences, TTT 2, one timed step")
-    parser.add_argument("--out", help="results JSON (default benchmarks/results/bench_train[_bf16].json; --smoke: a temp folder)")
+    add_report_args(parser, "bench_train[_bf16].json", "seconds: tiny target, 64-token sequences, TTT 2, one timed step")
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if args.smoke:
-        smoke_note("bench_train")
-        args.target = str(tiny_target(smoke_dir("bench_train") / "target"))
-        args.steps, args.seq, args.ttt, args.draft_vocab = 1, 64, 2, 64
+    apply_smoke(args, "bench_train", steps=1, seq=64, ttt=2, draft_vocab=64)
     figures = run(args)
 
     report = {
         "figures": figures,
         "settings": vars(args) | ({} if args.smoke else {"hidden": 576, "target_vocab": 49152, "target": "SmolLM2-135M-Instruct"})
         | {"loss": "forward_kl", "draft_lm_head": "trained", "shards": "int8"},
-        "machine": machine(),
-        "versions": versions("transformers", "accelerate"),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **environment("transformers", "accelerate"), "date": stamp(),
     }
-    suffix = "" if args.mixed_precision == "fp32" else f"_{args.mixed_precision}"
-    out = output_path(args.out, RESULTS.with_name(f"bench_train{suffix}.json"), args.smoke)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    tag = "" if args.mixed_precision == "fp32" else f"_{args.mixed_precision}"
-    print(f"BENCH train_tokens_per_s{tag} {figures['trainer_tokens_per_s']:.1f} tokens/s")
-    print(f"BENCH train_vs_bare_fwd_bwd{tag} {figures['trainer_vs_bare']:.3f} ratio")
-    print(f"BENCH train_achieved_flops{tag} {figures['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s")
-    print(f"BENCH train_fraction_of_matmul_peak{tag} {figures['fraction_of_matmul_peak']:.3f} ratio")
-    print(f"bench_train: wrote {out}")
+    tag = "" if args.mixed_precision == "fp32" else f"_{args.mixed_precision}"  # the file's suffix too
+    publish(output_path(args.out, RESULTS.with_name(f"bench_train{tag}.json"), args.smoke), report, [
+        f"train_tokens_per_s{tag} {figures['trainer_tokens_per_s']:.1f} tokens/s",
+        f"train_vs_bare_fwd_bwd{tag} {figures['trainer_vs_bare']:.3f} ratio",
+        f"train_achieved_flops{tag} {figures['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s",
+        f"train_fraction_of_matmul_peak{tag} {figures['fraction_of_matmul_peak']:.3f} ratio"], "bench_train", newline=False)
     return 0
 
 

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from machine import machine, output_path, smoke_dir, smoke_note, tiny_target, versions  # benchmarks/machine.py
+from machine import add_report_args, apply_smoke, environment, linked_run, output_path, publish, stamp
 
 RESULTS = Path(__file__).parent / "results" / "bench_train_int8.json"
 
@@ -45,14 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-vocab", type=int, default=4096)
     parser.add_argument("--mixed-precision", default="bf16", choices=["fp32", "bf16"])
     parser.add_argument("--target", default="smollm2-135m-instruct")
-    parser.add_argument("--smoke", action="store_true", help="seconds: tiny target, 24 conversations, 2 steps, TTT 2")
-    parser.add_argument("--out", help="results JSON (default benchmarks/results/bench_train_int8.json; --smoke: a temp folder)")
+    add_report_args(parser, "bench_train_int8.json", "seconds: tiny target, 24 conversations, 2 steps, TTT 2")
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if args.smoke:
-        smoke_note("bench_train_int8")
-        args.target = str(tiny_target(smoke_dir("bench_train_int8") / "target"))
-        args.samples, args.max_length, args.steps, args.token_budget, args.ttt, args.draft_vocab = 24, 64, 2, 256, 2, 64
+    apply_smoke(args, "bench_train_int8", samples=24, max_length=64, steps=2, token_budget=256, ttt=2, draft_vocab=64)
     out = output_path(args.out, RESULTS, args.smoke)
 
     from eyas.config import load_recipe
@@ -96,9 +92,7 @@ def main(argv: list[str] | None = None) -> int:
               f"accuracy per step {results[encoding]['step_accuracy']}", flush=True)
     # The noise floor of this budget: the same bf16 shards, another seed (initialisation and data order).
     recipe = load_recipe(None, common + ["run.name=bf16_seed1", "dump.encoding=bf16", "run.seed=1"])
-    recipe.run_dir.mkdir(parents=True)
-    for part in ("prepared", "shards"):
-        (recipe.run_dir / part).symlink_to(root / "bf16" / part)
+    linked_run(recipe.run_dir, root / "bf16")
     result = train(recipe)
     results["bf16_seed1"] = {"sim_accept": result["last_eval"]["sim_accept"],
                              "step_accuracy": [result["last_eval"][f"acc_{k}"] for k in range(args.ttt)]}
@@ -109,18 +103,12 @@ def main(argv: list[str] | None = None) -> int:
         "figures": {"sim_accept_bf16": results["bf16"]["sim_accept"], "sim_accept_int8": results["int8"]["sim_accept"],
                     "int8_relative_gap": gap, "seed_relative_gap": seed_gap, "runs": results, "seconds": time.perf_counter() - started},
         "settings": vars(args) | {"data": "chitchat", "loss": "forward_kl"},
-        "machine": machine(),
-        "versions": versions(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **environment(), "date": stamp(),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
     shutil.rmtree(root, ignore_errors=True)
-    print(f"BENCH train_sim_accept_bf16_shards {results['bf16']['sim_accept']:.4f} tokens")
-    print(f"BENCH train_sim_accept_int8_shards {results['int8']['sim_accept']:.4f} tokens")
-    print(f"BENCH train_int8_vs_bf16_sim_accept_gap {100 * gap:+.2f} percent")
-    print(f"BENCH train_bf16_seed_to_seed_sim_accept_gap {100 * seed_gap:+.2f} percent")
-    print(f"bench_train_int8: wrote {out}")
+    publish(out, report, [*(f"train_sim_accept_{e}_shards {results[e]['sim_accept']:.4f} tokens" for e in ("bf16", "int8")),
+                          f"train_int8_vs_bf16_sim_accept_gap {100 * gap:+.2f} percent",
+                          f"train_bf16_seed_to_seed_sim_accept_gap {100 * seed_gap:+.2f} percent"], "bench_train_int8", newline=False)
     return 0
 
 

@@ -27,40 +27,26 @@ from __future__ import annotations
 
 import argparse
 import ast
-import json
 import statistics
-import subprocess
 import sys
 import time
 import types
 from pathlib import Path
 
 import torch
-from machine import machine, output_path, smoke_dir, smoke_note, tiny_target, versions  # benchmarks/machine.py
+from machine import SPECFORGE, add_report_args, apply_smoke, environment, output_path, publish, set_threads, stamp, use_peer
 
 from eyas.cpus import available_cpus
 
 RESULTS = Path(__file__).parent / "results" / "bench_train_peers.json"
-PEER_PACKAGE = "specforge==0.2.0"
-PEERS = "/tmp/peers/specforge"
 STAND_IN = "stand-in: eyas's own step in the peer's place (--smoke without an installed SpecForge in --peers)"
 
 
-def has_specforge(site: str) -> bool:
-    return Path(site, "specforge", "core", "loss.py").is_file()
-
-
-def install_specforge(site: str) -> None:
-    """pip install --no-deps --target: SpecForge's own dependencies (sglang, GPU kernels) stay out."""
-    print(f"bench_train_peers: installing {PEER_PACKAGE} into {site}", flush=True)
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", site, PEER_PACKAGE], check=True)
-
-
 def load_specforge(site: str):
-    """SpecForge's EAGLE-3 model classes, with its triton loss replaced by its own torch reference."""
+    """SpecForge's EAGLE-3 model classes (from `site`, on sys.path: `use_peer`), with its triton loss replaced by
+    its own torch reference."""
     import torch.nn as nn
 
-    sys.path.insert(0, site)
     tree = ast.parse(Path(site, "specforge/core/loss.py").read_text())
     fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_compute_loss")
     fn.decorator_list = []  # @torch.compile: eager on a CPU, as the anchors' CPU path runs
@@ -89,8 +75,9 @@ def make_batch(seq: int, hidden: int, vocab: int, seed: int = 0) -> dict:
 def eyas_setup(target_config, lm_head: torch.Tensor, d2t: torch.Tensor, ttt: int, chunk: int):
     """eyas's step as its trainer takes it: the head inside `TrainingUnroll` (the module accelerate
     wraps), the teacher through the target lm_head rows, the TTT unroll, loss, backward, AdamW."""
-    from eyas.config import DraftConfig, default_layers
+    from eyas.draft.features import default_layers
     from eyas.draft.registry import build_head
+    from eyas.recipe_schema import DraftConfig
     from eyas.train.losses import Teacher
     from eyas.train.ttt import TrainingUnroll
 
@@ -153,22 +140,18 @@ def specforge_setup(classes, target_config, lm_head: torch.Tensor, d2t: torch.Te
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peers", help="folder with specforge installed by pip --target (installed there when missing; "
-                        f"default {PEERS}); --smoke uses the peer only when given here")
+                        f"default {SPECFORGE.site}); --smoke uses the peer only when given here")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--ttt", type=int, default=7)
     parser.add_argument("--draft-vocab", type=int, default=32000)
     parser.add_argument("--threads", type=int, default=available_cpus())
     parser.add_argument("--target", default="smollm2-135m-instruct")
-    parser.add_argument("--smoke", action="store_true", help="seconds: tiny target, 64 tokens, TTT 3, one timed step")
-    parser.add_argument("--out", help="results JSON (default benchmarks/results/bench_train_peers.json; --smoke: a temp folder)")
+    add_report_args(parser, "bench_train_peers.json", "seconds: tiny target, 64 tokens, TTT 3, one timed step")
     args = parser.parse_args(argv)
-    if args.smoke:
-        smoke_note("bench_train_peers")
-        args.target = str(tiny_target(smoke_dir("bench_train_peers") / "target"))
-        args.steps, args.seq, args.ttt, args.draft_vocab = 1, 64, 3, 64
+    apply_smoke(args, "bench_train_peers", steps=1, seq=64, ttt=3, draft_vocab=64)
     out = output_path(args.out, RESULTS, args.smoke)
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     from eyas.targets import load_target_config
     from eyas.train.data import read_target_weights
 
@@ -177,11 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     vocab, hidden = lm_head.shape
     d2t = torch.zeros(args.draft_vocab, dtype=torch.long)  # the first draft_vocab ids (speed does not depend on which)
     if not args.smoke:
-        args.peers = args.peers or PEERS
-        if not has_specforge(args.peers):
-            install_specforge(args.peers)
-    # SpecForge's first step compiles for a minute or more: a smoke run takes it only when asked to
-    real_peer = bool(args.peers) and has_specforge(args.peers)
+        args.peers = args.peers or SPECFORGE.site
+    # SpecForge's first step compiles for a minute or more: a smoke run takes it only when asked to (never installs it);
+    # pip install --no-deps --target: SpecForge's own dependencies (sglang, GPU kernels) stay out
+    real_peer = bool(args.peers) and use_peer(SPECFORGE, args.peers, "bench_train_peers", install=not args.smoke)
     peer = "0.2.0 (pip --no-deps; triton loss replaced by its torch reference)" if real_peer else STAND_IN
     print(f"bench_train_peers: peer: {'SpecForge ' + peer if peer != STAND_IN else peer}", flush=True)
     torch.manual_seed(0)
@@ -203,18 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     rates = {name: args.seq / statistics.median(ts) for name, ts in times.items()}
     figures = {"tokens_per_s": rates, "step_s": times, "eyas_vs_specforge": rates["eyas"] / rates["specforge"]}
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "figures": figures, "settings": vars(args),
-        "peers": {"specforge": peer},
-        "machine": machine(),
-        "versions": versions("transformers", "specforge"),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }, indent=2))
-    print(f"BENCH train_peer_specforge_tokens_per_s {rates['specforge']:.1f} tokens/s")
-    print(f"BENCH train_peer_eyas_tokens_per_s {rates['eyas']:.1f} tokens/s")
-    print(f"BENCH train_eyas_vs_specforge {figures['eyas_vs_specforge']:.2f} ratio")
-    print(f"bench_train_peers: wrote {out}")
+    record = {"figures": figures, "settings": vars(args), "peers": {"specforge": peer},
+              **environment("transformers", "specforge"), "date": stamp()}
+    publish(out, record, [f"train_peer_specforge_tokens_per_s {rates['specforge']:.1f} tokens/s",
+                          f"train_peer_eyas_tokens_per_s {rates['eyas']:.1f} tokens/s",
+                          f"train_eyas_vs_specforge {figures['eyas_vs_specforge']:.2f} ratio"], "bench_train_peers", newline=False)
     return 0
 
 

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from machine import machine, output_path, smoke_dir, smoke_note, tiny_target, versions  # benchmarks/machine.py
+from machine import add_report_args, apply_smoke, bench_lines, environment, output_path, run_record, write_json
 
 RESULTS = Path(__file__).parent / "results" / "bench_verify_cost.json"
 
@@ -34,19 +33,15 @@ def main(argv=None) -> int:
     parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument("--prefix", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--out", help="results JSON (default benchmarks/results/bench_verify_cost.json; --smoke: a temp folder)")
-    parser.add_argument("--smoke", action="store_true", help="seconds: a tiny target, a 16-token prefix, one repeat")
+    add_report_args(parser, "bench_verify_cost.json", "seconds: a tiny target, a 16-token prefix, one repeat")
     args = parser.parse_args(argv)
-    if args.smoke:
-        smoke_note("bench_verify_cost")
-        args.target = str(tiny_target(smoke_dir("bench_verify_cost") / "target"))
-        args.prefix, args.repeats = 16, 1
+    apply_smoke(args, "bench_verify_cost", prefix=16, repeats=1)
 
     import torch
 
-    from eyas.config import TargetConfig
     from eyas.decode import cache_kwarg, new_cache
     from eyas.eval.kv import tree_mask
+    from eyas.recipe_schema import TargetConfig
     from eyas.targets import load_target
 
     models = {d: load_target(TargetConfig(path=args.target, dtype=d))[0] for d in DTYPES}
@@ -81,20 +76,13 @@ def main(argv=None) -> int:
                 seconds[key].append(one_forward(*key))
     ms = {f"{d}:{n}": 1000 * statistics.median(v) for (d, n), v in seconds.items()}
     single = ms["float32:1"]
-    for dtype in DTYPES:
-        for n in NEW_TOKENS:
-            print(f"BENCH forward_ms_{dtype}_{n}_tokens {ms[f'{dtype}:{n}']:.1f} ms "
-                  f"({ms[f'{dtype}:{n}'] / single:.2f} x fp32 one token)")
-    out = output_path(args.out, RESULTS, args.smoke)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "script": "benchmarks/bench_verify_cost.py",
-        "command": " ".join(["python", "benchmarks/bench_verify_cost.py"] + (sys.argv[1:] if argv is None else argv)),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": machine(), "versions": versions("transformers"),
+    bench_lines(*(f"forward_ms_{dtype}_{n}_tokens {ms[f'{dtype}:{n}']:.1f} ms ({ms[f'{dtype}:{n}'] / single:.2f} x fp32 one token)"
+                  for dtype in DTYPES for n in NEW_TOKENS))
+    out = write_json(output_path(args.out, RESULTS, args.smoke), {
+        **run_record(__file__, argv), **environment("transformers"),
         "settings": {"target": args.target, "prefix": args.prefix, "repeats": args.repeats, "smoke": args.smoke},
         "median_ms": ms, "relative_to_fp32_one_token": {k: v / single for k, v in ms.items()},
-    }, indent=2))
+    }, newline=False)
     print(f"wrote {out}")
     return 0
 

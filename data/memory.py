@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-from eyas.config import Recipe
 from eyas.data.dump import feature_spec
 from eyas.data.shard_format import encode, ids_dtype
 from eyas.draft.config import text_config
@@ -26,6 +25,7 @@ from eyas.memory import (
     target_bytes,
     with_setting,
 )
+from eyas.recipe_schema import Recipe
 
 # Encoded batches of the dump alive on the host: the one just encoded and the one the shard writer
 # thread is writing to its place in the file (data/dump.py `stream_rows`: one write in flight).

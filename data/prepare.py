@@ -39,13 +39,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from eyas.config import Recipe, save_resolved
+from eyas.config import save_resolved
 from eyas.data.regenerate import regenerate_rows
 from eyas.data.self_prompts import category_mix, parse_categories, regenerate_unreplied, self_prompt_rows, turn_mix
 from eyas.data.sources import Skips, first_turns, load_rows, split_heldout
 from eyas.errors import EyasError
 from eyas.io import atomic_write_json, fresh_partial, publish_dir, remove_stale_temps
 from eyas.precision import regenerate_dtype
+from eyas.recipe_schema import Recipe
 from eyas.targets import load_target, load_target_config, load_tokenizer, pick_device
 
 SPLITS = ("train", "heldout")

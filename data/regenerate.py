@@ -42,9 +42,9 @@ from typing import Any
 
 import torch
 
-from eyas.config import Recipe
 from eyas.decode import SamplingParams, left_padded, plain_decode, seeded_generator, stop_token_ids, token_chooser
 from eyas.errors import EyasError
+from eyas.recipe_schema import Recipe
 from eyas.targets import load_target, target_identity
 
 

@@ -44,7 +44,6 @@ from typing import Any
 
 import torch
 
-from eyas.config import Recipe
 from eyas.data.regenerate import (
     ReplyCache,
     base_url,
@@ -59,6 +58,7 @@ from eyas.data.regenerate import (
 from eyas.decode import SamplingParams, left_padded, plain_decode, seeded_generator, stop_token_ids, token_chooser
 from eyas.errors import EyasError
 from eyas.ngrams import NearDuplicates
+from eyas.recipe_schema import Recipe
 from eyas.steering import FOLLOW_UP, Category, Steer, parse_categories
 
 MARK = "\x00EYAS_PROMPT\x00"

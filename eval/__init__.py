@@ -7,7 +7,7 @@ Modules:
   decoder     SpeculativeDecoder (target + draft + shape), target_decode (the timed baseline),
               target_generate (HF generate, the reference in tests)
   drafts      the draft protocol, LMDraft / truncated_target, MixtureDraft, make_draft
-  head_draft  the adapter from trained eagle / eagle3 / mtp heads
+  head_draft  the adapter from trained heads of every kind, one per drafting layout
   prompts     MT-bench / OpenAI / held-out prompts, rendered with the chat template
   metrics     alpha, cumulative acceptance, tau, speedup, time split
   runner      several drafts x shapes over the same prompts, interleaved with the target alone

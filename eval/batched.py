@@ -428,7 +428,7 @@ class BatchedBlockDraft:
     """dflash, dspark (`BlockDraft`) over a batch. Each row keeps its own context keys and values per layer (the
     target's features of its committed tokens, at their positions). A round's blocks, one per row, run in
     ONE forward as the blocks of one sequence whose context is every row's, each block seeing only its own
-    row's columns (`DFlashHead.block_rows` takes a visibility row per block); predicting row d of row b's block
+    row's columns (`BlockHead.block_rows` takes a visibility row per block); predicting row d of row b's block
     and a node's own token give the logits of that depth-(d+1) node's children, as `BlockDraft` gives them
     one row at a time."""
 
@@ -493,7 +493,7 @@ class BatchedBlockDraft:
 
     def chain_confidence(self, row: int, tokens: list[int]) -> list[float]:
         """`BlockDraft.chain_confidence` of row `row`'s chain."""
-        return chain_confidence(self.head, self.rows[row], self.roots[row], tokens, self.draft.kind)
+        return chain_confidence(self.head, self.rows[row], self.roots[row], tokens)
 
 
 class BatchedPerStepDraft:
@@ -703,7 +703,7 @@ class BatchedDecoder:
         self.drafts = TogetherDrafts(draft, shape, params)
         self.eos = set(eos_token_ids if eos_token_ids is not None else stop_token_ids(target))
         self.device = target.device
-        self.feature_layers = getattr(draft, "feature_layers", None)
+        self.feature_layers = draft.feature_layers
         self._cache_kw = cache_kwarg(target)
 
     def _target_forward(self, kv: RaggedCache, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,

@@ -24,7 +24,7 @@ import torch
 import transformers
 
 from eyas import __version__, stages
-from eyas.config import Recipe, check_against_target, save_resolved
+from eyas.config import save_resolved
 from eyas.decode import SamplingParams
 from eyas.errors import EyasError
 from eyas.eval.drafts import make_draft
@@ -34,6 +34,8 @@ from eyas.eval.report import plot, print_report, write_json
 from eyas.eval.runner import encode_prompts, evaluate
 from eyas.eval.target_precision import EvalPrecision, choose
 from eyas.precision import native_bf16
+from eyas.recipe_checks import check_against_target
+from eyas.recipe_schema import Recipe
 from eyas.shapes import parse_shape
 from eyas.stage_cli import stage_main, stage_parser
 from eyas.targets import load_target, resolve_target_path

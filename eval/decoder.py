@@ -91,11 +91,11 @@ class SpeculativeDecoder:
         if int(draft.vocab_size) != int(target.config.vocab_size):
             raise EyasError(f"draft '{draft.name}' returns {draft.vocab_size} logits but the target's vocabulary "
                             f"has {target.config.vocab_size} tokens: the draft was made for another target")
-        max_depth = getattr(draft, "max_depth", None)
-        if max_depth is not None and shape.depth > max_depth:
-            raise EyasError(f"draft '{draft.name}' drafts at most {max_depth} tokens deep (one mtp layer per step); "
-                            f"shape '{shape.spec}' needs {shape.depth}")
-        if shape.confidence and not hasattr(draft, "chain_confidence"):
+        # what the draft declares (`eyas.eval.drafts.Draft`), checked once here for every decoder, batched too
+        if draft.max_depth is not None and shape.depth > draft.max_depth:
+            raise EyasError(f"draft '{draft.name}' drafts at most {draft.max_depth} tokens deep (one mtp layer or block "
+                            f"row per step); shape '{shape.spec}' needs {shape.depth}")
+        if shape.confidence and not draft.gives_confidence:
             raise EyasError(f"shape '{shape.spec}' cuts the chain by the draft's confidence, which draft '{draft.name}' "
                             "does not give (a dspark draft does); use chain:K")
         self.target = target
@@ -107,7 +107,7 @@ class SpeculativeDecoder:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self._cache_kw = cache_kwarg(target)
-        self.feature_layers = getattr(draft, "feature_layers", None)
+        self.feature_layers = draft.feature_layers
 
     # -- target --------------------------------------------------------------------------------
 
@@ -159,8 +159,7 @@ class SpeculativeDecoder:
         root = self._choose(logits[-1])
         result.tokens.append(root)
         if root not in self.eos and max_new_tokens > 1:
-            if hasattr(self.draft, "plan_depth"):  # one draft object may serve decoders of several depths
-                self.draft.plan_depth(self.shape.depth)
+            self.draft.plan_depth(self.shape.depth)  # one draft object may serve decoders of several depths
             root_logits = start(prompt.to(self.device), root, features)
             while True:
                 kept, accepted, bonus, features = self._round(cache, prefix, root, root_logits, expand,

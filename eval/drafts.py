@@ -1,11 +1,16 @@
-"""Drafts the decoder can drive, and the protocol they share (`Draft`).
+"""Drafts the decoder can drive, and the protocol they share (`Draft`, the base class of every draft).
 
-The draft protocol:
+The draft protocol (what a draft declares is on `Draft`, with the defaults of a token-only draft, so the
+decoder asks a draft and never probes it):
 
     name: str                      label in tables and plots
     vocab_size: int                size of the logits it returns (the target's vocabulary)
     feature_layers: list | None    HF `hidden_states` indices of the target features it reads
                                    (concatenated in that order), or None for a token-only draft
+    max_depth: int | None          the deepest tree it drafts (an mtp head's layers, a block head's
+                                   predicting rows), or None for any
+    gives_confidence: bool         `chain_confidence` gives the probability that each draft of a chain
+                                   is accepted (a dspark head), so a chain may be cut by it
     start(prompt_ids, root, features) -> logits [V]
         New prompt. prompt_ids: LongTensor [L]; root: the first token the target chose after it;
         features: target features at the L prompt positions [L, F] (or None). Returns the draft's
@@ -20,9 +25,13 @@ The draft protocol:
         (a prefix of the path), `features` the target features at the old root and at each
         accepted token [len(tokens) + 1, F] (or None). Drops the rest of the tree; returns the
         logits for the new root's children.
-    plan_depth(depth) (optional)
+    plan_depth(depth)
         The decoder drafts trees `depth` deep from the next `start` on. A parallel drafter (peagle)
-        runs the draft steps of all those depths in one forward (`eyas.eval.head_draft`).
+        runs the draft steps of all those depths in one forward (`eyas.eval.head_draft`); nothing
+        for the others.
+    chain_confidence(tokens) -> list[float]
+        Only where `gives_confidence`: per draft of this round's chain `tokens`, the draft's
+        probability that it is accepted.
 
 Logits are raw (the decoder applies temperature/top-k/top-p to them exactly as to the
 target's), over the target's vocabulary (-inf for tokens a reduced-vocabulary draft cannot emit).
@@ -34,7 +43,8 @@ Drafts here:
 - `MixtureDraft`: q = lam * p + (1 - lam) * point mass on p's least likely token, p the target's
   own sampling distribution (it runs the target as an oracle). Per-token acceptance is
   lam + (1 - lam) * p_min, known in advance: the check for the acceptance bookkeeping.
-- `HeadDraft` (eagle, eagle3, mtp checkpoints): see `eyas.eval.head_draft.load_head_draft`.
+- `HeadDraft` (a trained head of any kind: eagle, eagle3, mtp, peagle, dflash, dspark): see
+  `eyas.eval.head_draft.load_head_draft`.
 """
 
 from __future__ import annotations
@@ -42,35 +52,44 @@ from __future__ import annotations
 import copy
 import math
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
 from eyas.decode import SamplingParams, cache_kwarg, new_cache, process_logits
 from eyas.errors import EyasError
-from eyas.eval.head_draft import load_head_draft
 from eyas.eval.kv import additive_mask, keep_positions
 
 
-class Draft(Protocol):
-    """What the speculative decoder needs of a draft (see the module docstring)."""
+class Draft:
+    """What the speculative decoder needs of a draft (see the module docstring); every draft is one."""
 
     name: str
     vocab_size: int
-    feature_layers: list[int] | None
+    feature_layers: list[int] | None = None
+    max_depth: int | None = None
+    gives_confidence: bool = False
 
-    def start(self, prompt_ids: torch.Tensor, root: int, features: torch.Tensor | None) -> torch.Tensor: ...
+    def start(self, prompt_ids: torch.Tensor, root: int, features: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
 
-    def expand(self, parents: list[int], tokens: list[int]) -> torch.Tensor: ...
+    def expand(self, parents: list[int], tokens: list[int]) -> torch.Tensor:
+        raise NotImplementedError
 
     def commit(self, kept: list[int], tokens: list[int], root: int, features: torch.Tensor | None
-               ) -> torch.Tensor: ...
+               ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def plan_depth(self, depth: int) -> None:
+        """The decoder drafts trees `depth` deep from the next `start` on (nothing to plan for most drafts)."""
+
+    def chain_confidence(self, tokens: list[int]) -> list[float]:
+        """Per chain draft, the probability that it is accepted: only a draft that declares `gives_confidence`
+        has one (the decoder refuses a shape that asks another)."""
+        raise NotImplementedError(f"draft '{self.name}' gives no confidence")
 
 
-class LMDraft:
-    """A token-only draft: an HF causal LM sharing the target's tokenizer."""
-
-    feature_layers = None
+class LMDraft(Draft):
+    """A token-only draft: an HF causal LM sharing the target's tokenizer (no target features, any depth)."""
 
     def __init__(self, model, name: str):
         self.model = model
@@ -232,5 +251,7 @@ def make_draft(spec: str, target, target_tokenizer, params: SamplingParams, devi
         return MixtureDraft(target, lam, params)
     path = Path(spec).expanduser()
     if path.is_dir():
+        from eyas.eval.head_draft import load_head_draft  # its drafts are `Draft`s: it imports this module
+
         return load_head_draft(path, target, target_tokenizer, device, target_path)
     raise EyasError(f"draft {spec!r} is neither an existing directory nor a known draft; give {describe_draft_spec()}")

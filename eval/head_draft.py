@@ -39,13 +39,16 @@ from eyas.draft.checkpoint import load_draft, read_draft_config
 from eyas.draft.head import DraftHead
 from eyas.draft.layouts import BLOCK, LAYER_PER_STEP, PARALLEL_SLOTS, SHARED_LAYER, Layout
 from eyas.errors import EyasError
+from eyas.eval.drafts import Draft
 from eyas.targets import target_identity
 
 
-class HeadDraft:
+class HeadDraft(Draft):
     """A trained head driven through the draft protocol (`eyas.eval.drafts.Draft`); the shared part.
 
-    `head_draft(head, name)` picks the adapter of the head's drafting layout (`ADAPTERS`).
+    `head_draft(head, name)` picks the adapter of the head's drafting layout (`ADAPTERS`). What the decoder asks
+    of a draft (`feature_layers`, `max_depth`, `gives_confidence`, `plan_depth`) each adapter answers from what
+    its head declares.
     """
 
     def __init__(self, head: DraftHead, name: str):
@@ -257,14 +260,19 @@ class PerStepDraft(HeadDraft):
 
 
 class BlockDraft(HeadDraft):
-    """dflash, dspark: one forward per round drafts the whole block (`DFlashHead.block_rows`).
+    """dflash, dspark: one forward per round drafts the whole block (`eyas.draft.block_layout.BlockHead.block_rows`).
 
     The context is the target's features f_0..f_{M-1} of the committed tokens (each layer's keys and
     values kept and extended on commit); the block is the root x_M at position M and its mask rows after it,
     and predicting row d (0-based) gives the logits of every node at depth d+1, as the head turns the row and
     the node's parent's token into logits (`slot_logits`): DFlash ignores the token, so siblings share a
     distribution and chains are its natural shape; DSpark's Markov head conditions each child on its own
-    parent, which a tree serves as it is."""
+    parent, which a tree serves as it is. A head that declares `gives_confidence` (dspark) also gives the
+    probability that each draft of a chain is accepted (`chain_confidence`), by which a chain may be cut."""
+
+    def __init__(self, head: DraftHead, name: str):
+        super().__init__(head, name)
+        self.gives_confidence = head.gives_confidence
 
     def start(self, prompt_ids: torch.Tensor, root: int, features: torch.Tensor) -> torch.Tensor:
         self._begin(prompt_ids, root, features)
@@ -296,7 +304,7 @@ class BlockDraft(HeadDraft):
     def chain_confidence(self, tokens: list[int]) -> list[float]:
         """The draft's probability that each of this round's chain drafts `tokens` is accepted (`slot_confidence`
         of row k read with the token before draft k: the root, then the chain's own)."""
-        return chain_confidence(self.head, self.rows, self.tokens[-1], tokens, self.kind)
+        return chain_confidence(self.head, self.rows, self.tokens[-1], tokens)
 
     def _slot_logits(self, depths: list[int], tokens: list[int]) -> torch.Tensor:
         """Logits [n, V_draft] of the children of n nodes: row depth_i read with the node's own token."""
@@ -312,14 +320,11 @@ class BlockDraft(HeadDraft):
         return self._to_target(self._slot_logits([0], [root]))[0]
 
 
-def chain_confidence(head: DraftHead, rows: torch.Tensor, root: int, tokens: list[int], kind: str) -> list[float]:
-    """Per chain draft k, sigmoid of the head's confidence of block row k read with the token before it."""
+def chain_confidence(head: DraftHead, rows: torch.Tensor, root: int, tokens: list[int]) -> list[float]:
+    """Per chain draft k, sigmoid of the head's confidence of block row k read with the token before it (a head that
+    declares `gives_confidence`: the decoder refuses a chain cut by confidence with any other)."""
     before = torch.tensor([root] + tokens[:-1], device=rows.device)
-    logits = head.slot_confidence(rows[:len(tokens)], before)
-    if logits is None:
-        raise EyasError(f"a chain cut by confidence needs a draft that gives one; the {kind} draft gives none (a dspark "
-                        "draft does): use chain:K")
-    return torch.sigmoid(logits.float()).tolist()
+    return torch.sigmoid(head.slot_confidence(rows[:len(tokens)], before).float()).tolist()
 
 
 # The eval adapter of each drafting layout (eyas.draft.layouts).

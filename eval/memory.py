@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from eyas.config import Recipe
 from eyas.memory import CUDA_RUNTIME, DraftSize, Hardware, Need, Shapes, forward_bytes, target_bytes
+from eyas.recipe_schema import Recipe
 from eyas.shapes import parse_shape
 
 

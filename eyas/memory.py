@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from eyas.config import Recipe
 from eyas.draft.config import target_shapes, text_config
+from eyas.recipe_schema import Recipe
 
 GIB = float(1 << 30)
 MIB = 1 << 20

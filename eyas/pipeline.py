@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from eyas.config import Recipe
+    from eyas.recipe_schema import Recipe
 
 # The GPUs one SLURM job of a stage holds on GPU nodes: every GPU of each node, one, none, or a count.
 Gpus = Literal["node", "one", "none"] | int

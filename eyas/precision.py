@@ -18,18 +18,29 @@ So `auto` means bf16 only where it is native:
 
 A recipe that forces bf16 on a CPU without native bf16 is obeyed, with one warning line on
 stderr giving the measured slowdown and the setting to change.
+
+`EYAS_CPU_BF16=native` (or `=emulated`) sets the CPU's answer instead of its flags: what `auto`
+picks on an AVX512-BF16 or AMX machine (or on an AVX2-only one) can then be run on any CPU, at the
+emulated speed where bf16 is not native. CI runs the train and eval tests once so (`.ci/run`), and
+a test that compares two evaluations must hold in whichever precision `auto` picks.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from eyas.errors import EyasError
+
 CPUINFO = Path("/proc/cpuinfo")
 X86_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+# Set to `native` or `emulated`: the CPU's bf16 answer, whatever its flags say (the module docstring).
+CPU_BF16_ENV = "EYAS_CPU_BF16"
+CPU_BF16_SETTINGS = {"native": True, "emulated": False}
 _warned: set[str] = set()
 
 
@@ -84,6 +95,12 @@ def bf16_ratio(size: int = 256, repeats: int = 5) -> float:
 
 @functools.cache
 def _cpu_native() -> bool:
+    setting = os.environ.get(CPU_BF16_ENV, "").strip().lower()
+    if setting:
+        if setting not in CPU_BF16_SETTINGS:
+            raise EyasError(f"{CPU_BF16_ENV}={setting!r} is not one of {', '.join(CPU_BF16_SETTINGS)}; "
+                            f"unset it to let the CPU's flags decide")
+        return CPU_BF16_SETTINGS[setting]
     flags = cpu_flags()
     if flags is not None:
         return cpu_bf16_from_flags(flags)

@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eyas.config import Recipe
 from eyas.errors import EyasError
 from eyas.io import atomic_write_json
 from eyas.pipeline import STAGES, Stage
+from eyas.recipe_schema import Recipe
 
 RECORD = "stage.json"
 RECORD_VERSION = 1

@@ -37,9 +37,10 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from eyas.config import Recipe, save_resolved
+from eyas.config import save_resolved
 from eyas.errors import EyasError
 from eyas.pipeline import PIPELINE, STAGES, Gpus
+from eyas.recipe_schema import Recipe
 from eyas.stage_cli import stage_main, stage_parser
 
 PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")

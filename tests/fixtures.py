@@ -155,8 +155,9 @@ def random_head(target_dir: str | Path, kind: str, d2t=None, seed: int = 0, shar
     import torch  # heavy, and only the head tests need it
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from eyas.config import default_layers, draft_config  # only the head tests need the draft packages
+    from eyas.draft.features import default_layers  # only the head tests need the draft packages
     from eyas.draft.registry import build_head
+    from eyas.recipe_kinds import draft_config
     from eyas.targets import load_target_config, target_identity
 
     target = AutoModelForCausalLM.from_pretrained(target_dir).eval()

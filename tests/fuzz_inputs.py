@@ -37,8 +37,10 @@ import torch
 import yaml
 from hypothesis import strategies as st
 
-from eyas.config import CHOICES, Recipe, absolute_paths, load_recipe, recipe_keys, save_resolved
+from eyas.config import absolute_paths, load_recipe, save_resolved
 from eyas.errors import EyasError
+from eyas.recipe_docs import recipe_keys
+from eyas.recipe_schema import CHOICES, Recipe
 
 REPO = Path(__file__).resolve().parent.parent
 BOM = b"\xef\xbb\xbf"

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from eyas.config import CHOICES, DraftConfig
 from eyas.draft.registry import KINDS, head_class
+from eyas.recipe_schema import CHOICES, DraftConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 # Each folder's package and floor: 0 the library, 1-3 the stages in pipeline order, 4 the front door.
@@ -133,8 +133,13 @@ def test_recipe_kinds_are_the_registry():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_kind_declares_its_contract(kind):
+    """A kind's file declares its layout (the one its registry line names for the torch-free recipe checks) and what
+    the stages ask of it, so no stage probes a head (or a draft adapter) for an attribute."""
     cls = head_class(kind)
     assert cls.kind == kind
+    assert cls.__module__ == f"eyas.draft.{kind}" and (ROOT / "eyas" / "draft" / f"{kind}.py").is_file(), "one file per kind"
+    assert "layout" in cls.__dict__ and cls.layout is KINDS[kind].layout, "the kind's class declares its registry line's layout"
     assert cls.feature in ("aux_hidden", "last_hidden")
     assert cls.default_token_feed in ("draft", "data")
-    assert (ROOT / "eyas" / "draft" / f"{kind}.py").is_file(), "one file per kind"
+    if cls.layout.name == "block":
+        assert cls.first_predicting_row in (0, 1) and isinstance(cls.gives_confidence, bool)

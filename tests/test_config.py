@@ -10,19 +10,12 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from eyas.config import (
-    Recipe,
-    absolute_paths,
-    apply_overrides,
-    check_against_target,
-    default_layers,
-    load_recipe,
-    parse_loss_mix,
-    recipe_keys,
-    reference_markdown,
-    save_resolved,
-)
+from eyas.config import absolute_paths, apply_overrides, load_recipe, save_resolved
+from eyas.draft.features import default_layers
 from eyas.errors import EyasError
+from eyas.recipe_checks import check_against_target, parse_loss_mix
+from eyas.recipe_docs import recipe_keys, reference_markdown
+from eyas.recipe_schema import Recipe
 from eyas.stage_cli import stage_main
 
 RECIPES = Path(__file__).parent.parent / "recipes"
@@ -163,7 +156,7 @@ def test_yaml_words_no_on_off_stay_strings(tmp_path):
 
 
 def test_docs_key_reference_is_current():
-    """docs/recipes.md documents every recipe key, exactly as eyas/config.py defines it."""
+    """docs/recipes.md documents every recipe key, exactly as eyas/recipe_schema.py defines it."""
     doc = (Path(__file__).parent.parent / "docs" / "recipes.md").read_text()
     start, end = doc.index("<!-- KEYS -->\n") + len("<!-- KEYS -->\n"), doc.index("\n<!-- /KEYS -->")
     table = doc[start:end]
@@ -171,7 +164,7 @@ def test_docs_key_reference_is_current():
     keys = set(recipe_keys())  # every section's keys and every kind's own
     assert documented == keys, (f"docs/recipes.md lacks {sorted(keys - documented)}, "
                                 f"documents unknown {sorted(documented - keys)}")
-    assert table == reference_markdown(), "regenerate the docs/recipes.md table with eyas.config.reference_markdown()"
+    assert table == reference_markdown(), "regenerate the docs/recipes.md table with eyas.recipe_docs.reference_markdown()"
 
 
 def test_saved_recipe_names_the_same_files_from_another_folder(tmp_path, monkeypatch):

@@ -40,7 +40,7 @@ def test_prepare_and_dump_chitchat_on_smollm2(tmp_path, smollm2_dir, capsys):
     assert manifest["ratio_to_anchor_layout"] < 0.51
     assert verify(shard_dir) == []
 
-    from eyas.config import TargetConfig
+    from eyas.recipe_schema import TargetConfig
     from eyas.targets import SMOLLM2_ALIAS, load_target_config, load_tokenizer, target_identity
 
     identity = target_identity(load_target_config(SMOLLM2_ALIAS), load_tokenizer(TargetConfig()))

@@ -14,7 +14,7 @@ from fixtures import random_head, target_batch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eyas.config import draft_config, from_dict, parse_loss_mix
+from eyas.config import from_dict
 from eyas.decode import SamplingParams, stop_token_ids
 from eyas.draft.checkpoint import save_draft
 from eyas.draft.head import init_layers_from_target
@@ -22,6 +22,8 @@ from eyas.draft.registry import build_head
 from eyas.errors import EyasError
 from eyas.eval.decoder import SpeculativeDecoder, target_generate
 from eyas.eval.head_draft import BlockDraft, load_head_draft
+from eyas.recipe_checks import parse_loss_mix
+from eyas.recipe_kinds import draft_config
 from eyas.shapes import parse_shape
 from eyas.train.export import export_draft, load_exported
 from eyas.train.losses import Teacher

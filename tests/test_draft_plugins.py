@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from eyas.config import DraftConfig, Recipe, check_mtp_unroll, draft_config, from_dict
+from eyas.config import from_dict
 from eyas.data.dump import feature_spec, manifest_features
 from eyas.draft import kinds, registry
 from eyas.draft.checkpoint import save_draft
@@ -32,6 +32,8 @@ from eyas.draft.formats import FormatSpec, KindExport, attention_shapes, llama_c
 from eyas.draft.layouts import LAYER_PER_STEP, LAYOUTS
 from eyas.draft.registry import KINDS, Kind, build_head, head_class
 from eyas.errors import EyasError
+from eyas.recipe_kinds import check_mtp_unroll, draft_config
+from eyas.recipe_schema import DraftConfig, Recipe
 from eyas.train import export
 from eyas.train.data import check_shards_fit
 

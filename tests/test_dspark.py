@@ -16,13 +16,16 @@ from fixtures import random_head, target_batch
 from safetensors import safe_open
 from test_eval_exact import VOCAB, check_exact, tiny_vocab_target
 
-from eyas.config import default_layers, draft_config, from_dict, parse_loss_mix
+from eyas.config import from_dict
 from eyas.decode import SamplingParams, stop_token_ids
 from eyas.draft.checkpoint import load_draft, save_draft
+from eyas.draft.features import default_layers
 from eyas.draft.registry import build_head
 from eyas.errors import EyasError
 from eyas.eval.decoder import SpeculativeDecoder, target_generate
 from eyas.eval.head_draft import BlockDraft, load_head_draft
+from eyas.recipe_checks import parse_loss_mix
+from eyas.recipe_kinds import draft_config
 from eyas.shapes import parse_shape
 from eyas.train.export import export_draft, load_exported
 from eyas.train.losses import Teacher
@@ -273,11 +276,14 @@ def test_confidence_shapes_parse_and_refuse_drafts_without_one(tmp_path, tiny_ll
     head, target, tokenizer = random_head(tiny_llama_dir, "dflash", num_steps=STEPS)
     draft = load_head_draft(save_draft(tmp_path / "dflash", head, {"step": 0}), target, tokenizer)
     prompt = torch.arange(3, 9)
-    with pytest.raises(EyasError, match="the dflash draft gives none"):
+    refused = (r"shape 'chain:3,confidence=0.5' cuts the chain by the draft's confidence, which draft '.+' does not "
+               r"give \(a dspark draft does\); use chain:K")
+    assert not draft.gives_confidence
+    with pytest.raises(EyasError, match=refused):  # one check, in the decoder, for every draft without one
         SpeculativeDecoder(target, draft, parse_shape("chain:3,confidence=0.5"), GREEDY, []).generate(prompt, 8)
     from eyas.eval.drafts import LMDraft, truncated_target
 
-    with pytest.raises(EyasError, match="does not give \\(a dspark draft does\\); use chain:K"):
+    with pytest.raises(EyasError, match=refused):
         SpeculativeDecoder(target, LMDraft(truncated_target(target, 2), "truncated:2"),
                            parse_shape("chain:3,confidence=0.5"), GREEDY, [])
 

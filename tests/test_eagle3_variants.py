@@ -18,11 +18,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from train_helpers import tiny_d2t, tiny_target_config
 
-from eyas.config import draft_config, load_recipe
-from eyas.draft.checkpoint import load_draft, save_draft
+from eyas.config import load_recipe
+from eyas.draft.checkpoint import head_from_config, load_draft, save_draft
 from eyas.draft.config import RESUME_FIELDS, HeadConfig
-from eyas.draft.registry import build_head, head_from_config
+from eyas.draft.registry import build_head
 from eyas.errors import EyasError
+from eyas.recipe_kinds import draft_config
 from eyas.train import export
 
 VARIANTS = {"default": {}, "norm_before_fc": {"eagle3_norm_before_fc": True},

@@ -13,14 +13,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eyas.config import default_layers, draft_config
 from eyas.decode import SamplingParams, stop_token_ids
 from eyas.draft.blocks import TTTCache
 from eyas.draft.checkpoint import save_draft
+from eyas.draft.features import default_layers
 from eyas.draft.registry import build_head, head_class
 from eyas.errors import EyasError
 from eyas.eval.decoder import SpeculativeDecoder, target_generate
 from eyas.eval.head_draft import load_head_draft
+from eyas.recipe_kinds import draft_config
 from eyas.shapes import parse_shape
 from eyas.targets import load_target_config, target_identity
 
@@ -129,3 +130,23 @@ def test_mtp_deeper_than_its_layers_is_refused(tmp_path, tiny_llama_dir):
     draft = load_head_draft(make_checkpoint(tmp_path / "c", tiny_llama_dir, "mtp"), target, tokenizer)
     with pytest.raises(EyasError, match="drafts at most 4 tokens deep"):
         SpeculativeDecoder(target, draft, parse_shape("chain:5"), GREEDY, stop_token_ids(target))
+
+
+def test_no_stage_probes_a_head_or_a_draft():
+    """The stages ask a head (`eyas.draft.head.DraftHead`) and a draft (`eyas.eval.drafts.Draft`) what they declare:
+    no `hasattr` / `getattr` on one outside eyas/draft/ (those left read caches, configs and a target's modules)."""
+    import re
+    from pathlib import Path
+
+    from eyas.eval.drafts import Draft, LMDraft
+    from eyas.eval.head_draft import ADAPTERS
+
+    root = Path(__file__).resolve().parents[1]
+    probe = re.compile(r"(hasattr|getattr)\((self\.)?(head|draft|adapter|drafts?\.\w+)\b")
+    found = [f"{path.relative_to(root)}:{n}: {line.strip()}" for folder in ("data", "train", "eval", "cli")
+             for path in sorted((root / folder).rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1) if probe.search(line)]
+    assert not found, "probes of a head or a draft:\n" + "\n".join(found)
+    for cls in (LMDraft, *ADAPTERS.values()):  # every draft declares what the decoder asks
+        assert issubclass(cls, Draft)
+    assert not LMDraft.gives_confidence and LMDraft.max_depth is None and LMDraft.feature_layers is None

@@ -49,8 +49,8 @@ def _probe(bf16_speed: float, bf16_near_ties: int, fp32_speed: float = 10.0) -> 
 ])
 def test_auto_picks_bf16_only_where_measured_exact_and_faster(monkeypatch, native, probe, temperature, expected,
                                                               baseline):
-    from eyas.config import TargetConfig
     from eyas.eval import target_precision
+    from eyas.recipe_schema import TargetConfig
 
     monkeypatch.setattr(target_precision, "native_bf16", lambda device=None: native)
 
@@ -69,8 +69,8 @@ def test_auto_picks_bf16_only_where_measured_exact_and_faster(monkeypatch, nativ
     (False, "auto", "bf16", "bfloat16"),     # forced, with a warning line
 ])
 def test_a_set_precision_is_obeyed_unmeasured(monkeypatch, capsys, native, target_dtype, setting, expected):
-    from eyas.config import TargetConfig
     from eyas.eval import target_precision
+    from eyas.recipe_schema import TargetConfig
 
     monkeypatch.setattr(precision, "native_bf16", lambda device=None: native)
     monkeypatch.setattr(precision, "_warned", set())
@@ -85,8 +85,8 @@ def test_a_set_precision_is_obeyed_unmeasured(monkeypatch, capsys, native, targe
 def test_the_probe_measures_once_per_machine_and_target(tmp_path, tiny_llama_dir, monkeypatch):
     """The real probe on a tiny target: fp32 verifies equal its 1-token decode at every position; the figures
     are cached, so a second eval on the same machine and target measures nothing."""
-    from eyas.config import TargetConfig
     from eyas.eval import target_precision
+    from eyas.recipe_schema import TargetConfig
 
     monkeypatch.setenv("EYAS_CACHE", str(tmp_path / "cache"))
     calls = []

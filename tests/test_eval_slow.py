@@ -17,7 +17,7 @@ PROMPTS = ["Write a haiku about autumn leaves.", "How do I reverse a list in Pyt
 
 @pytest.mark.slow
 def test_smollm2_greedy_speculative_equals_generate(smollm2_dir):
-    from eyas.config import TargetConfig
+    from eyas.recipe_schema import TargetConfig
     from eyas.targets import load_target
 
     torch.set_num_threads(1)

@@ -10,10 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eyas.config import DraftConfig, draft_config
-from eyas.draft.checkpoint import save_draft
-from eyas.draft.registry import build_head, head_from_config
+from eyas.draft.checkpoint import head_from_config, save_draft
+from eyas.draft.registry import build_head
 from eyas.errors import EyasError
+from eyas.recipe_kinds import draft_config
+from eyas.recipe_schema import DraftConfig
 from eyas.train import export
 
 DRAFT_VOCAB = 100
@@ -322,7 +323,7 @@ def test_fused_layers_an_engine_cannot_hand_over_are_refused(tiny_target, tmp_pa
 
 
 def test_default_layers_are_three_an_engine_captures_at_every_depth():
-    from eyas.config import default_layers
+    from eyas.draft.features import default_layers
 
     for depth in range(4, 129):
         layers = default_layers(depth)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -11,16 +10,10 @@ import pytest
 import torch
 
 from eyas.cli.main import main as cli_main
-from eyas.config import TargetConfig
 from eyas.data.sources import is_heldout, load_rows, normalize_row, split_heldout
 from eyas.errors import EyasError
+from eyas.recipe_schema import TargetConfig
 from eyas.targets import cache_dir, load_target, load_target_config, resolve_target_path, target_identity
-
-
-def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "eyas", *args], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})})
-
 
 # --- CLI -------------------------------------------------------------------------------
 

@@ -17,9 +17,10 @@ import torch
 from fixtures import build_tiny_target
 from train_helpers import make_workspace, new_run
 
-from eyas.config import default_layers, load_recipe
+from eyas.config import load_recipe
 from eyas.data.shard_reader import ShardReader
 from eyas.data.shard_verify import verify
+from eyas.draft.features import default_layers
 from eyas.eval.cli import main as eval_main
 from eyas.train.checkpoint import best_checkpoint
 from eyas.train.export import export_draft, load_exported

@@ -14,13 +14,13 @@ import torch
 from fixtures import random_head, target_batch
 from safetensors import safe_open
 
-from eyas.config import parse_loss_mix
 from eyas.decode import SamplingParams, stop_token_ids
 from eyas.draft.blocks import TTTCache
 from eyas.draft.checkpoint import save_draft
 from eyas.eval.batched import BatchedDecoder
 from eyas.eval.decoder import SpeculativeDecoder, target_generate
 from eyas.eval.head_draft import head_draft, load_head_draft
+from eyas.recipe_checks import parse_loss_mix
 from eyas.shapes import parse_shape
 from eyas.train.export import export_draft, load_exported, serve_command
 from eyas.train.losses import Teacher

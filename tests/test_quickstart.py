@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import yaml
 from eyas import stages
 from eyas.cli import quickstart
 from eyas.config import load_recipe
+from eyas.targets import resolve_target_path
 
 RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
 
@@ -73,6 +75,14 @@ def test_quickstart_runs_every_stage_then_resumes(tmp_path, tiny_llama_dir, caps
     report = json.loads((run_dir / "eval" / "report.json").read_text())
     assert Path(summary["files"]["plot"]).is_file() and Path(summary["files"]["report"]).is_file()
     assert (run_dir / "export" / "sglang" / "config.json").is_file()
+    # Both engines' layouts are written and the last lines serve them with real paths (the vLLM line is run as
+    # printed in test_the_quickstarts_vllm_line_serves_the_draft).
+    assert (run_dir / "export" / "vllm" / "config.json").is_file()
+    target, exports = tiny_llama_dir.resolve(), (run_dir / "export").resolve()
+    assert (f"serve it with:     vLLM, on this machine too: python -m vllm.entrypoints.openai.api_server "
+            f"--model {target} --speculative-config '{{\"model\": \"{exports / 'vllm'}\"") in out
+    assert (f"serve it with:     SGLang, on GPUs: python -m sglang.launch_server --model-path {target} "
+            f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {exports / 'sglang'} ") in out
     assert report["settings"]["drafts"] == [summary["files"]["checkpoint"]]
     assert "tau" in out and f"acceptance plot:   {summary['files']['plot']}" in out
     # The run's own recipe, the one error messages and the summary point to, is there and is this run's.
@@ -121,3 +131,58 @@ def test_quickstart_runs_every_stage_then_resumes(tmp_path, tiny_llama_dir, caps
     dump_verdict = stages.check("dump", changed)
     assert not dump_verdict.current and dump_verdict.reason == "the prepare output it reads has changed"
     assert not stages.check("prepare", original).current
+
+
+@pytest.mark.serving
+def test_the_quickstarts_vllm_line_serves_the_draft(parity_drafts, tmp_path):
+    """The quickstart's last lines name a vLLM command that runs as printed on this CPU (a free port added): the
+    real SmolLM2 target from eyas's cache and the exported eagle3 draft of the vLLM tests. The server answers a
+    greedy completion and its metrics count drafted tokens accepted, so the draft is the one serving."""
+    import subprocess
+    import time
+    import urllib.request
+
+    from eyas.eval.engine_vllm import free_port, stop_process
+
+    recipe = load_recipe(quickstart.packaged_recipe(), [f"run.output_dir={tmp_path}", "target.dtype=float32",
+                                                        f"eval.checkpoint={parity_drafts['eagle3']}"])
+    session = quickstart.Session(recipe, False, quickstart.Target(recipe))
+    lines = quickstart.serve_lines(recipe, quickstart._export(session))
+    assert [line.split(",")[0] for line in lines] == ["vLLM", "SGLang"]
+    command = lines[0].split(": ", 1)[1]
+    port = free_port()
+    log = tmp_path / "vllm.log"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with open(log, "w") as out:
+        server = subprocess.Popen(["bash", "-c", f"{command} --host 127.0.0.1 --port {port}"], stdout=out,
+                                  stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while not _answers(f"{url}/v1/models"):
+            assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(2)
+        model = str(resolve_target_path("smollm2-135m-instruct").resolve())
+        body = json.dumps({"model": model, "prompt": "The capital of France is", "max_tokens": 24,
+                           "temperature": 0}).encode()
+        request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=300) as response:
+            assert json.loads(response.read())["choices"][0]["text"]
+        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+            metrics = response.read().decode()
+    finally:
+        stop_process(server)
+    counted = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("vllm:spec_decode_num_")}
+    assert counted.get("vllm:spec_decode_num_draft_tokens_total", 0) > 0, counted
+    assert counted.get("vllm:spec_decode_num_accepted_tokens_total", 0) > 0, counted
+
+
+def _answers(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status == 200
+    except OSError:
+        return False

@@ -83,7 +83,7 @@ def test_binary_recipe_file_is_one_error_line(tmp_path, payload, fragment):
     path.write_bytes(payload)
     with pytest.raises(EyasError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
         load_recipe(path)
-    proc = subprocess.run([sys.executable, "-m", "eyas", "prepare", str(path)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "eyas.cli", "prepare", str(path)], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()

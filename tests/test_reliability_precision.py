@@ -10,6 +10,7 @@ import pytest
 
 from eyas import precision
 from eyas.config import load_recipe
+from eyas.errors import EyasError
 
 X86_PLAIN = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n"
 X86_AMX = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
@@ -48,6 +49,22 @@ def test_auto_follows_the_cpu(cpu):
     assert precision.native_bf16("cpu")
     assert precision.mixed_precision_for("auto", "cpu") == "bf16"
     assert precision.regenerate_dtype("auto", "auto", "cpu") == "bfloat16"
+
+
+@pytest.mark.parametrize("setting,native", [("native", True), ("emulated", False), (" Native ", True)])
+def test_the_environment_sets_the_cpus_answer_over_its_flags(cpu, monkeypatch, setting, native):
+    """`EYAS_CPU_BF16` makes any CPU take the other machine kind's `auto` path (CI's forced-bf16 step)."""
+    cpu(not native)
+    monkeypatch.setenv("EYAS_CPU_BF16", setting)
+    assert precision.native_bf16("cpu") is native
+    assert precision.mixed_precision_for("auto", "cpu") == ("bf16" if native else "no")
+
+
+def test_a_wrong_environment_setting_names_the_choices(cpu, monkeypatch):
+    cpu(True)
+    monkeypatch.setenv("EYAS_CPU_BF16", "yes")
+    with pytest.raises(EyasError, match="EYAS_CPU_BF16='yes' is not one of native, emulated"):
+        precision.native_bf16("cpu")
 
 
 def test_unreadable_flags_fall_back_to_timing(cpu):

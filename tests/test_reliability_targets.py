@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from eyas.config import TargetConfig, load_recipe, save_resolved
+from eyas.config import load_recipe, save_resolved
 from eyas.errors import EyasError
+from eyas.recipe_schema import TargetConfig
 from eyas.targets import load_target_config, load_tokenizer, target_identity
 
 
@@ -237,7 +238,7 @@ def test_sigterm_during_startup_is_one_line(tmp_path, tiny_llama_dir):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"target: {{path: {tiny_llama_dir}}}\ndata: {{source: {fifo}}}\n"
                       f"run: {{output_dir: {tmp_path}/runs}}\n")
-    proc = subprocess.Popen([sys.executable, "-m", "eyas", "prepare", str(recipe)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "eyas.cli", "prepare", str(recipe)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     writer, deadline = None, time.monotonic() + 120
     try:

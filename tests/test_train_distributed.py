@@ -93,9 +93,10 @@ def _initial_fc(workspace) -> torch.Tensor:
     """fc.weight as the head starts (same seed): proves the comparison is not between two untrained heads."""
     from accelerate.utils import set_seed
 
-    from eyas.config import DraftConfig, default_layers
     from eyas.data.vocab import load_vocab
+    from eyas.draft.features import default_layers
     from eyas.draft.registry import build_head
+    from eyas.recipe_schema import DraftConfig
     from eyas.targets import load_target_config
 
     set_seed(0)

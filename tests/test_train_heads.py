@@ -207,3 +207,33 @@ def test_init_layers_from_target_copies_what_fits_and_says_what_it_kept():
     assert sorted(kept) == [f"midlayer.mlp.{n}_proj.weight" for n in ("down", "gate", "up")]  # another width
     assert "midlayer.self_attn.k_proj.weight (feature half)" in copied and "midlayer.hidden_norm.weight" in copied
     assert torch.equal(narrow.fc.weight, fc_before)  # not a layer tensor: untouched
+
+
+def test_a_kind_declares_its_layout_as_its_registry_line_does(monkeypatch):
+    """Each kind's class declares its layout; the registry line repeats it for the torch-free recipe checks, and a
+    class that declares none of its own (or another) is refused when it is defined."""
+    from eyas.draft.eagle import EagleHead
+    from eyas.draft.layouts import LAYER_PER_STEP
+    from eyas.draft.registry import KINDS, Kind
+
+    for kind, line in KINDS.items():
+        assert head_class(kind).__dict__["layout"] is line.layout
+    monkeypatch.setitem(KINDS, "stray", Kind(__name__, LAYER_PER_STEP))
+    with pytest.raises(EyasError, match="kind 'stray'.*should declare layout = LAYER_PER_STEP in its own class"):
+        type("StrayHead", (EagleHead,), {"kind": "stray"})  # inherits eagle's layout, declares none
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "mtp", "peagle", "dflash", "dspark"])
+def test_a_head_declares_its_layers_projection_and_final_norms(kind):
+    """What the memory plan and the target-layer init ask of a head, declared: its decoder layers (each an attention
+    and an MLP), the Linear that projects the target's feature (None: mtp) and the norms the target's final norm
+    starts."""
+    tc = tiny_target_config()
+    head = build_head(draft_cfg(kind), tc, d2t=None)
+    layers = head.decoder_layers()
+    assert layers and all(isinstance(m.self_attn, torch.nn.Module) and isinstance(m.mlp, torch.nn.Module) for m in layers)
+    found = [m for m in head.modules() if "self_attn" in m._modules and "mlp" in m._modules]
+    assert [id(m) for m in layers] == [id(m) for m in found]
+    assert (head.projection is None) == (kind == "mtp")
+    assert head.projection is None or head.projection is head.fc
+    assert (not head.final_norms()) == (kind == "eagle")  # EAGLE-1 regresses the post-norm feature: no final norm

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from train_helpers import draft_cfg, synthetic_batch, tiny_d2t, tiny_target_config
 
-from eyas.config import parse_loss_mix
 from eyas.draft.registry import build_head
 from eyas.errors import EyasError
+from eyas.recipe_checks import parse_loss_mix
 from eyas.train.losses import (
     Teacher,
     confidence_loss,

@@ -9,9 +9,10 @@ import pytest
 import torch
 from train_helpers import draft_cfg, synthetic_batch, tiny_d2t, tiny_target_config
 
-from eyas.config import load_recipe, parse_loss_mix, tree_width
+from eyas.config import load_recipe
 from eyas.draft.registry import build_head
 from eyas.errors import EyasError
+from eyas.recipe_checks import parse_loss_mix, tree_width
 from eyas.train.losses import Teacher, position_losses, step_losses, top_k_distillation
 from eyas.train.ttt import TreeLevers, _reference_rank, teacher_for, unroll
 

@@ -226,13 +226,13 @@ def _measure(drafts: dict[str, Path], dtype: str, out: Path, ks: dict[str, tuple
     format says), K in `ks[draft]`, same prompts; the target: SmolLM2 unless `target_path` says otherwise."""
     import torch
 
-    from eyas.config import TargetConfig
     from eyas.decode import SamplingParams, stop_token_ids
     from eyas.draft.checkpoint import read_draft_config
     from eyas.eval.decoder import target_decode_batch
     from eyas.eval.drafts import make_draft
     from eyas.eval.engine_vllm import VllmRun, draft_run, offline_runs, parity_report, strip_eos
     from eyas.eval.runner import encode_prompts, evaluate
+    from eyas.recipe_schema import TargetConfig
     from eyas.shapes import parse_shape
     from eyas.targets import load_target, resolve_target_path
     from eyas.train.export import export_draft

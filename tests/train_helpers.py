@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from eyas.config import DraftConfig, draft_config
+from eyas.recipe_kinds import draft_config
+from eyas.recipe_schema import DraftConfig
 
 
 def tiny_target_config(family: str = "llama", **overrides):

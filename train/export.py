@@ -30,11 +30,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from eyas.config import load_recipe
-from eyas.draft.checkpoint import CONFIG_FILE, MODEL_FILE, read_draft_config
+from eyas.draft.checkpoint import CONFIG_FILE, MODEL_FILE, head_from_config, read_draft_config
 from eyas.draft.config import FORMAT_VERSION as HEAD_FORMAT_VERSION
 from eyas.draft.config import HeadConfig, variant_fields
 from eyas.draft.formats import ExportContext, FormatSpec
-from eyas.draft.registry import KINDS, head_class, head_from_config, kind_rules
+from eyas.draft.registry import KINDS, head_class, kind_rules
 from eyas.errors import EyasError
 from eyas.targets import load_target_config
 from eyas.train.checkpoint import best_checkpoint

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from eyas.config import parse_loss_mix
 from eyas.errors import EyasError
+from eyas.recipe_checks import parse_loss_mix
 
 
 def _xlogy_ratio(p: torch.Tensor, logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:

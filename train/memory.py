@@ -21,7 +21,6 @@ import numpy as np
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from eyas.config import Recipe
 from eyas.data.dump import feature_spec, manifest_features
 from eyas.data.memory import shard_bytes
 from eyas.draft.config import text_config
@@ -44,6 +43,7 @@ from eyas.memory import (
     with_setting,
 )
 from eyas.precision import mixed_precision_for
+from eyas.recipe_schema import Recipe
 from eyas.train.loader import TokenBudgetLoader
 
 # A recipe is refused only when its need exceeds the GPU by more than the model's measured error
@@ -82,7 +82,7 @@ def draft_size(recipe: Recipe, config: Any) -> DraftSize:
         head = build_head(recipe.draft, config, list(recipe.dump.layers) or None, d2t)
     params = [p for _, p in head.named_parameters()]
     trainable = [p for p in params if p.requires_grad]
-    blocks = [m for m in head.modules() if hasattr(m, "self_attn") and hasattr(m, "mlp")]
+    blocks = head.decoder_layers()
     block = blocks[0]
     shared = _weights_every_step_uses(head, trainable, blocks)
     hidden = head.config.hidden_size
@@ -97,7 +97,7 @@ def draft_size(recipe: Recipe, config: Any) -> DraftSize:
         largest_shared=max((p.numel() for p in shared), default=0),
         draft_vocab=head.config.draft_vocab_size, norms=_step_norms(head, blocks), embedding_norms=embedding_norms,
         attention_in=block.self_attn.q_proj.in_features, extra_in=extra_in,
-        projection_in=head.fc.in_features if isinstance(getattr(head, "fc", None), torch.nn.Linear) else 0,
+        projection_in=head.projection.in_features if head.projection is not None else 0,
         frozen_matmul=sum(m.weight.numel() for m in head.modules()
                           if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad))
 
@@ -107,7 +107,8 @@ def _weights_every_step_uses(head: DraftHead, trainable: list[torch.nn.Parameter
     """The trainable weights every unrolled step uses, whose gradients accumulate over the steps: a shared
     layer's, and the lm_head and final norm outside the layers (not the once-per-unroll projection)."""
     in_blocks = {id(p) for layer in blocks for p in layer.parameters()}
-    projection = {id(p) for p in getattr(head, "fc", torch.nn.Module()).parameters()}
+    projection = {id(p) for p in head.projection.parameters()} if head.projection is not None else set()
+    # the layout the kind declares says whether each step has layers of its own (mtp: counted once, not per step)
     return [p for p in trainable if id(p) not in projection and (not head.layout.weights_per_step or id(p) not in in_blocks)]
 
 
@@ -115,7 +116,7 @@ def _step_norms(head: DraftHead, blocks: list[torch.nn.Module]) -> int:
     """RMSNorms of one draft step: those of its layer, and a final norm outside the layers (eagle3's `norm`)."""
     inside = {id(m) for layer in blocks for m in layer.modules()}
     norms = sum(1 for m in blocks[0].modules() if isinstance(m, LlamaRMSNorm))
-    return norms + (1 if any(id(m) not in inside for m in head._final_norms()) else 0)
+    return norms + (1 if any(id(m) not in inside for m in head.final_norms()) else 0)
 
 
 def _unroll_steps(recipe: Recipe) -> int:

@@ -228,12 +228,13 @@ def block_steps(head: DraftHead, input_ids: torch.Tensor, features: torch.Tensor
     """Per unroll step k of a block-drafting head: (logits [B, T, V], confidence logits [B, T] or None), slot t
     predicting x_{t+k+2} from the block anchored at x_{t+1}. A row reads the data's token at its own position,
     x_{t+k+1} (teacher forcing: at inference, what the step before drafted), where the kind reads one (DSpark's
-    Markov and confidence heads)."""
+    Markov and confidence heads); the confidence where the head declares one (`gives_confidence`)."""
     rows = head.training_rows(input_ids, features, steps)
     out = []
     for k in range(steps):
         prev = _shifted(input_ids, k + 1)
-        out.append((head.slot_logits(rows[:, :, k], prev), head.slot_confidence(rows[:, :, k], prev)))
+        confidence = head.slot_confidence(rows[:, :, k], prev) if head.gives_confidence else None
+        out.append((head.slot_logits(rows[:, :, k], prev), confidence))
     return out
 
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from eyas.draft.config import HeadConfig
 from eyas.draft.head import DraftHead
-from eyas.draft.registry import head_from_config
+from eyas.draft.registry import head_class
 from eyas.errors import EyasError
 from eyas.io import atomic_write_json, temp_name
 
@@ -93,3 +93,11 @@ def load_draft(directory: str | Path, device: Any = "cpu", dtype: torch.dtype | 
     meta = dict(raw.get("meta", {}))
     meta.update(target_identity=config.target_identity, kind=config.kind, aux_layers=config.aux_layers)
     return head.eval(), meta
+
+
+def head_from_config(cfg: HeadConfig | dict, d2t: torch.Tensor | None = None, where: str = "config.json"
+                     ) -> DraftHead:
+    """Rebuild a head from a saved config (a HeadConfig, or the dict of a config.json)."""
+    if isinstance(cfg, dict):
+        cfg = HeadConfig.from_dict(cfg, where)
+    return head_class(cfg.kind)(cfg, d2t)

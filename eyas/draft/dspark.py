@@ -3,10 +3,10 @@ drafted token on the one before it, and a confidence head that says how likely e
 
 The block is the anchor x_p (the last verified token) at position p and K-1 mask rows at p+1..p+K-1, K =
 `draft.num_steps`; every row predicts, row k the token after its own position, x_{p+k+1}, so one forward gives K
-drafts (a DFlash block of K+1 rows gives K). The backbone is DFlash's (`eyas.draft.dflash`: the context is the
-target's three fused layers through `fc` and `hidden_norm`, Qwen3 layers, non-causal inside the block), except that
-the mask rows carry the target's own embedding row of `mask_token_id` (frozen: vLLM's DSpark loader drops a mask
-vector). On top of each row's final-normed hidden h_k:
+drafts (a DFlash block of K+1 rows gives K: `first_predicting_row` 0). The backbone is the block layout's, as
+DFlash's is (`eyas.draft.block_layout.BlockHead`: the context is the target's three fused layers through `fc` and
+`hidden_norm`, Qwen3 layers, non-causal inside the block), and the mask rows carry the target's own embedding row of
+`mask_token_id` (frozen: vLLM's DSpark loader drops a mask vector). On top of each row's final-normed hidden h_k:
 
 - the Markov head, a low-rank bias from the token at the row's own position (what the step before drafted; the
   anchor for row 0): logits_k = lm_head(h_k) + W2 W1[x_{p+k}], W1 an embedding over the target's vocabulary
@@ -14,7 +14,8 @@ vector). On top of each row's final-normed hidden h_k:
   the data's token there (teacher forcing); eyas's decoder reads each tree node's own token, so the children of
   siblings differ, and its trees and chains are exact for it (`eyas.eval.head_draft.BlockDraft`);
 - the confidence head, c_k = sigmoid(w . [h_k; W1[x_{p+k}]] + b), trained by the `confidence` loss towards the
-  step's acceptance rate 1 - tv(draft, target) (`eyas.train.losses.confidence_loss`).
+  step's acceptance rate 1 - tv(draft, target) (`eyas.train.losses.confidence_loss`); the head declares
+  `gives_confidence`, so eval may cut a chain by it (`chain:K,confidence=C`).
 
 Training (the block layout, `eyas.train.ttt.block_steps`): every position t anchors a block at x_{t+1}, and row k
 is unroll step k, predicting x_{t+k+2}; the registry line gives DSpark's published loss when the recipe sets none:
@@ -27,10 +28,10 @@ vLLM 0.32 reads it (`transformers_utils/configs/speculators/algos.py` `update_ds
 `aux_hidden_state_layer_ids` (HF hidden_states indices, as eyas's fused layers; vLLM subtracts one),
 `mask_token_id`, and written out because vLLM defaults them otherwise: `sample_from_anchor: true` (the anchor row
 predicts), `markov_rank`, `markov_head_type: vanilla`, `enable_confidence_head: true`,
-`confidence_head_with_markov: true`. Weights: DFlash's layer names, `lm_head.weight` (always: eyas trains it, and
-a reduced vocabulary needs it), `d2t`/`t2d` for a reduced vocabulary, `markov_head.markov_w1.weight`,
-`markov_head.markov_w2.weight`, `confidence_head.proj.{weight,bias}`; no embed_tokens and no mask vector (both are
-the target's). vLLM 0.32 runs DSpark only on its V2 model runner (README, engine table).
+`confidence_head_with_markov: true`. Weights: the backbone's names, as DFlash's (`block_layout.backbone_shapes`),
+`lm_head.weight` (always: eyas trains it, and a reduced vocabulary needs it), `d2t`/`t2d` for a reduced vocabulary,
+`markov_head.markov_w1.weight`, `markov_head.markov_w2.weight`, `confidence_head.proj.{weight,bias}`; no
+embed_tokens and no mask vector (both are the target's). vLLM 0.32 runs DSpark only on its V2 model runner (README, engine table).
 """
 
 from __future__ import annotations
@@ -42,15 +43,23 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from eyas.draft import dflash
+from eyas.draft.block_layout import (
+    FROM_TARGET,
+    BlockHead,
+    backbone_shapes,
+    check_fused_layers,
+    default_steps,
+    layer_fields,
+    target_mask_row,
+    without_mask,
+)
 from eyas.draft.config import HeadConfig
 from eyas.draft.formats import ExportContext, FormatSpec, KindExport, speculators_fields
 from eyas.draft.kinds import KindRules, option
+from eyas.draft.layouts import BLOCK
 from eyas.errors import EyasError
 
 VLLM_ARCHITECTURE = "DSparkSpeculator"
-_DFLASH_VLLM = dflash.EXPORT.formats["vllm"]  # the backbone's tensors and layer fields, less the mask vector
-_DFLASH_SGLANG = dflash.EXPORT.formats["sglang"]  # whose read-back gives the mask rows the target's row, as here
 
 
 class MarkovHead(nn.Module):
@@ -81,19 +90,16 @@ class ConfidenceHead(nn.Module):
 
 def _shapes(cfg: HeadConfig, bias: bool) -> dict[str, tuple]:
     rank = _rank(cfg)
-    return {**_DFLASH_VLLM.shapes(cfg, bias), "markov_head.markov_w1.weight": (cfg.vocab_size, rank),
+    return {**backbone_shapes(cfg, bias), "markov_head.markov_w1.weight": (cfg.vocab_size, rank),
             "markov_head.markov_w2.weight": (cfg.draft_vocab_size, rank),
             "confidence_head.proj.weight": (1, cfg.hidden_size + rank), "confidence_head.proj.bias": (1,)}
 
 
 def _vllm_config(cfg: HeadConfig, ctx: ExportContext) -> dict:
-    layer = _DFLASH_VLLM.config(cfg, ctx)
-    for key in ("architectures", "dflash_config", "block_size", "target_hidden_size", "draft_vocab_size", "eyas"):
-        del layer[key]
     return {
         "architectures": [VLLM_ARCHITECTURE],
         **speculators_fields("dspark", ctx),
-        "transformer_layer_config": layer,
+        "transformer_layer_config": layer_fields(cfg, ctx),
         "draft_vocab_size": cfg.draft_vocab_size,
         "block_size": cfg.num_steps,
         "target_hidden_size": cfg.hidden_size,
@@ -135,15 +141,16 @@ def _check_steps(cfg: HeadConfig, steps: int) -> None:
 
 
 EXPORT = KindExport(
-    formats={"vllm": FormatSpec(VLLM_ARCHITECTURE, "dspark", _shapes, _vllm_config, prepare=_DFLASH_VLLM.prepare,
-                                restore=_DFLASH_SGLANG.restore, check_steps=_check_steps,
+    # no mask vector in the weights (vLLM's loader drops one): read back, the mask rows carry the target's row
+    formats={"vllm": FormatSpec(VLLM_ARCHITECTURE, "dspark", _shapes, _vllm_config, prepare=without_mask,
+                                restore=target_mask_row, check_steps=_check_steps,
                                 read_config=_read_config, engine_model="Qwen3DSparkForCausalLM",
                                 engine_unchecked=_UNSERVED,
                                 # speculators' own save_pretrained names its model class, not the config's default
                                 aliases=("DSparkDraftModel",))},
-    from_target=dflash.EXPORT.from_target,
-    check=dflash.EXPORT.check,
-    default_steps=dflash.EXPORT.default_steps,
+    from_target=FROM_TARGET,
+    check=check_fused_layers,
+    default_steps=default_steps,
 )
 
 
@@ -164,12 +171,13 @@ class DSparkOptions:
                               "W2 [draft vocab, r]).", 256, positive=True)
 
 
-class DSparkHead(dflash.DFlashHead):
+class DSparkHead(BlockHead):
     kind = "dspark"
-    # DFlash's block with its anchor row predicting too, a Markov bias and a confidence per drafted token
+    layout = BLOCK  # the block layout's backbone, its anchor row predicting too, a Markov bias and a confidence
     rules = KindRules(title="DSpark", trains_lm_head=True, options=DSparkOptions, losses=("confidence",))
     export = EXPORT
-    first_predicting_row: ClassVar[int] = 0
+    first_predicting_row: ClassVar[int] = 0  # every row predicts, the anchor's too
+    gives_confidence: ClassVar[bool] = True
 
     @classmethod
     def head_config(cls, draft_cfg, target_config, aux_layers, draft_vocab_size, target_identity) -> HeadConfig:

@@ -36,6 +36,7 @@ from eyas.draft.config import HeadConfig
 from eyas.draft.formats import ExportContext, FormatSpec, KindExport, attention_shapes, llama_config, mlp_shapes
 from eyas.draft.head import DraftHead
 from eyas.draft.kinds import KindRules
+from eyas.draft.layouts import SHARED_LAYER
 from eyas.errors import EyasError
 
 # ----------------------------------------------------------------------------- export
@@ -110,6 +111,7 @@ EXPORT = KindExport(
 
 class EagleHead(DraftHead):
     kind = "eagle"
+    layout = SHARED_LAYER  # one layer unrolled over the draft steps
     rules = KindRules(title="EAGLE-1")
     export = EXPORT
 
@@ -136,3 +138,7 @@ class EagleHead(DraftHead):
         x = self.fc(torch.cat([embeds, feature], dim=-1))
         hidden = self.layers[0](x, cos, sin, attention_mask, past_key_values, 0)
         return hidden, self.lm_head(hidden)  # EAGLE-1 regresses the post-norm feature: no final norm
+
+    @property
+    def projection(self) -> nn.Linear:
+        return self.fc  # over [embedding; feature], in the one step EAGLE-1 trains

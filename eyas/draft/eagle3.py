@@ -73,6 +73,7 @@ from eyas.draft.formats import (
 )
 from eyas.draft.head import DraftHead
 from eyas.draft.kinds import KindRules, Variant, option
+from eyas.draft.layouts import SHARED_LAYER
 from eyas.errors import EyasError
 
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -221,6 +222,7 @@ RULES = KindRules(title="EAGLE-3", trains_lm_head=True, attention_bias_from_targ
 
 class Eagle3Head(DraftHead):
     kind = "eagle3"
+    layout = SHARED_LAYER  # one layer unrolled over the draft steps
     rules = RULES
     feature_spec = FUSED_LAYERS
     supports_draft_vocab = True
@@ -246,5 +248,12 @@ class Eagle3Head(DraftHead):
         hidden = self.midlayer(embeds, feature, cos, sin, attention_mask, past_key_values, 0)
         return hidden, self.lm_head(self.norm(hidden))
 
-    def _final_norms(self) -> list[nn.Module]:
+    def decoder_layers(self) -> list[nn.Module]:
+        return [self.midlayer]
+
+    @property
+    def projection(self) -> nn.Linear:
+        return self.fc  # over the fused layers, once per unroll
+
+    def final_norms(self) -> list[nn.Module]:
         return [self.norm]

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from eyas.config import default_layers
 from eyas.errors import EyasError
 
 
@@ -67,3 +66,19 @@ class FeatureSpec:
 LAST_HIDDEN = FeatureSpec("last_hidden", 0, "last hidden state")
 # Three target layers (low, middle, high; recipe `dump.layers`) concatenated: EAGLE-3's feature.
 FUSED_LAYERS = FeatureSpec("aux_hidden", 3, "the three fused layers")
+
+
+def default_layers(num_hidden_layers: int) -> list[int]:
+    """EAGLE-3's fused layers as HF `hidden_states` indices: low, middle, high.
+
+    Three distinct indices that serving engines capture (1..L-1: the input of a decoder layer): SGLang
+    and vLLM take each layer once, so a repeated index would hand the draft fewer features than it was
+    trained on. Below 7 layers the usual [2, L/2, L-3] repeats one, and the three spread over 1..L-1.
+    Below 4 layers 1..L-1 holds fewer than three: the highest three of 0..L (a draft to train and evaluate; its
+    export is refused, naming the indices no engine captures)."""
+    if num_hidden_layers < 4:
+        return [max(0, num_hidden_layers - 2 + i) for i in range(3)]
+    usual = [2, num_hidden_layers // 2, num_hidden_layers - 3]
+    if len(set(usual)) == 3:
+        return usual
+    return [1, num_hidden_layers // 2, num_hidden_layers - 1]

@@ -2,11 +2,14 @@
 
 A kind is one subclass in its own file (`eagle.py`, `eagle3.py`, `mtp.py`, ...) listed in
 `eyas.draft.registry`. It builds its own layers in `_build`, says how it reads the target's
-features (`project`) and runs one draft step (`step`); its drafting layout (`layout`, from its registry
-line in `eyas.draft.registry`) tells every stage how it drafts, and the class attributes and the
-overridable methods below tell the dump, the trainer, the eval adapter and the exporter everything
-else they need (its feature spec, `eyas.draft.features`; its export mapping, `eyas.draft.formats`),
-so none of them branches on the kind's name or a flag (docs/heads.md, "Adding a head kind").
+features (`project`) and runs one draft step (`step`); its drafting layout (`layout`, which the kind's
+class declares and its registry line repeats for the torch-free recipe checks: a class whose layout is
+not its line's is refused when it is defined) tells every stage how it drafts, and the class attributes
+and the overridable methods below tell the dump, the trainer, the eval adapter and the exporter
+everything else they need (its feature spec, `eyas.draft.features`; its export mapping,
+`eyas.draft.formats`; its layers, `decoder_layers`; its feature projection, `projection`; its final
+norms, `final_norms`), so none of them branches on the kind's name or a flag, nor probes the head for
+an attribute (docs/heads.md, "Adding a head kind").
 
 Semantics (EAGLE): at position t the head reads the feature f_t (the target's hidden state
 at t for step 0) and the embedding of token x_{t+1}, and predicts x_{t+2}. Step k > 0 reads
@@ -25,12 +28,12 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from eyas.draft.blocks import DecoderLayer, Eagle3Layer, MTPLayer, rotary_embedding
+from eyas.draft.blocks import rotary_embedding
 from eyas.draft.config import HeadConfig, target_shapes
 from eyas.draft.features import LAST_HIDDEN, FeatureSpec
 from eyas.draft.formats import KindExport
 from eyas.draft.kinds import KindRules
-from eyas.draft.layouts import SHARED_LAYER, Layout
+from eyas.draft.layouts import Layout
 from eyas.draft.registry import KINDS
 from eyas.errors import EyasError
 
@@ -43,8 +46,9 @@ class DraftHead(nn.Module):
     feature_spec: ClassVar[FeatureSpec] = LAST_HIDDEN
     # its batch / manifest key ("aux_hidden" or "last_hidden"), always `feature_spec.name`
     feature: ClassVar[str] = LAST_HIDDEN.name
-    # how it drafts, from its registry line (`eyas.draft.registry`): the stages ask it, never the kind
-    layout: ClassVar[Layout] = SHARED_LAYER
+    # how it drafts: every kind declares it in its own class, and its registry line (`eyas.draft.registry`)
+    # names the same (the recipe checks read the line without importing torch); the stages ask it, never the kind
+    layout: ClassVar[Layout]
     # its recipe rules and options (`eyas.draft.kinds`)
     rules: ClassVar[KindRules] = KindRules()
     # the token a step k > 0 reads in training: its own drafted token ("draft") or the data's ("data")
@@ -57,8 +61,13 @@ class DraftHead(nn.Module):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls.feature = cls.feature_spec.name  # one source: the spec the kind declares
-        if cls.__dict__.get("kind") in KINDS:
-            cls.layout = KINDS[cls.kind].layout  # one source: the registry line
+        kind = cls.__dict__.get("kind")
+        if kind in KINDS:  # a registered kind declares its layout itself, the one its registry line names
+            declared, line = cls.__dict__.get("layout"), KINDS[kind].layout
+            if declared is not line:
+                raise EyasError(f"{cls.__module__}.{cls.__name__} (kind '{kind}') should declare layout = "
+                                f"{line.name.upper()} in its own class, as its line in eyas/draft/registry.py names it; "
+                                f"it declares {'none' if declared is None else declared}")
 
     def __init__(self, cfg: HeadConfig, d2t: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -152,7 +161,18 @@ class DraftHead(nn.Module):
         """The deepest draft step this head can make (None: any, one layer serves every step)."""
         return None
 
-    def _final_norms(self) -> list[nn.Module]:
+    def decoder_layers(self) -> list[nn.Module]:
+        """Its decoder layers (each an attention and an MLP; `layers`, unless the kind keeps them elsewhere): what
+        `train.draft_init=target_last_layer` starts from the target's layer and the memory plan counts per step."""
+        return list(self.layers)
+
+    @property
+    def projection(self) -> nn.Linear | None:
+        """The Linear that makes a step's feature from the target's (eagle3's fc over the fused layers; EAGLE-1's
+        over [embedding; feature]), which the memory plan counts once per unroll; None where the kind has none."""
+        return None
+
+    def final_norms(self) -> list[nn.Module]:
         """The norms that take the target's final norm weight at initialisation."""
         return []
 
@@ -231,7 +251,7 @@ class DraftHead(nn.Module):
         rows = torch.arange(vocab) if self.d2t is None else self.draft_to_target(torch.arange(self.draft_vocab_size))
         self.lm_head.weight.copy_(lm_head[rows.to(lm_head.device)].to(self.lm_head.weight.dtype))
         if norm is not None:
-            for final_norm in self._final_norms():
+            for final_norm in self.final_norms():
                 final_norm.weight.copy_(norm)
         return self
 
@@ -248,7 +268,6 @@ def with_mask_token(cfg: HeadConfig, mask: int) -> HeadConfig:
 # A draft layer's tensor that starts from a target layer tensor of another name: EAGLE-3 normalises
 # the feature with `hidden_norm` where the target normalises its layer input with `input_layernorm`.
 _TARGET_LAYER_ALIASES = {"hidden_norm.weight": "input_layernorm.weight"}
-_DECODER_BLOCKS = (DecoderLayer, Eagle3Layer, MTPLayer)
 
 
 @torch.no_grad()
@@ -263,8 +282,9 @@ def init_layers_from_target(head: DraftHead, target_layer: dict[str, torch.Tenso
     narrower `draft.intermediate_size`) keep theirs. Returns (copied, kept) parameter names.
     """
     copied, kept = [], []
+    layers = {id(layer) for layer in head.decoder_layers()}
     for prefix, module in head.named_modules():
-        if not (isinstance(module, _DECODER_BLOCKS) or getattr(module, "starts_from_target_layer", False)):
+        if id(module) not in layers:
             continue
         for local, param in module.named_parameters():
             name = f"{prefix}.{local}"

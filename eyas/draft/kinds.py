@@ -4,7 +4,7 @@ A kind's head class (`eyas/draft/<kind>.py`) carries `rules = KindRules(...)`: h
 its layer variants, whether it trains its lm_head; and, in `KindRules.options`, a dataclass of the
 recipe keys that are its alone (`draft.mtp_feed`, `draft.mask_token_id`, ...), each field made with
 `option` (its doc, default and checks). A recipe keeps those keys flat in its `draft` section; the
-recipe reader (`eyas.config`) collects the ones a recipe sets into `DraftConfig.options` and checks
+recipe reader (`eyas.recipe_kinds`) collects the ones a recipe sets into `DraftConfig.options` and checks
 them here against the kind's dataclass. This module imports no torch; the checks import a kind's
 module (and so torch) only for a recipe that sets one of its keys.
 """
@@ -43,7 +43,7 @@ class KindRules:
     attention_bias_from_target: bool = True
     # the dataclass of its own recipe keys (fields made with `option`); None: it has none
     options: type | None = None
-    # the `train.loss` terms that score a part only its head has (eyas.config.HEAD_LOSSES: its confidence)
+    # the `train.loss` terms that score a part only its head has (eyas.recipe_schema.HEAD_LOSSES: its confidence)
     losses: tuple[str, ...] = ()
 
 

@@ -9,7 +9,7 @@ supplies as methods of its head. docs/heads.md, "Adding a head kind", is the one
 a new way of drafting is a new `Layout` here plus its row in each of those tables
 (`tests/test_draft_plugins.py` checks that every table has every layout).
 
-This module imports no torch: the recipe checks (`eyas.config`) ask a kind's layout how its unroll is
+This module imports no torch: the recipe checks (`eyas.recipe_checks`, `eyas.recipe_kinds`) ask a kind's layout how its unroll is
 sized before anything heavy is imported.
 """
 

@@ -45,6 +45,7 @@ from eyas.draft.config import HeadConfig
 from eyas.draft.formats import ExportContext, FormatSpec, KindExport, attention_shapes, llama_config, mlp_shapes, read_llama
 from eyas.draft.head import DraftHead
 from eyas.draft.kinds import KindRules, option
+from eyas.draft.layouts import LAYER_PER_STEP
 from eyas.errors import EyasError
 
 MTP_FEEDS = ("target", "chain")
@@ -157,6 +158,7 @@ class MTPOptions:
 
 class MTPHead(DraftHead):
     kind = "mtp"
+    layout = LAYER_PER_STEP  # layer k drafts step k
     rules = KindRules(title="MTP", options=MTPOptions)
     default_token_feed = "data"
     supports_draft_vocab = True
@@ -190,5 +192,5 @@ class MTPHead(DraftHead):
     def max_depth(self) -> int:
         return self.num_layers
 
-    def _final_norms(self) -> list[nn.Module]:
+    def final_norms(self) -> list[nn.Module]:
         return [layer.norm for layer in self.layers]

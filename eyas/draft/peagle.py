@@ -33,6 +33,7 @@ from eyas.draft.config import HeadConfig
 from eyas.draft.formats import ExportContext, FormatSpec, KindExport
 from eyas.draft.head import with_mask_token
 from eyas.draft.kinds import KindRules, option
+from eyas.draft.layouts import PARALLEL_SLOTS
 
 VLLM_ARCHITECTURE = "PEagleSpeculator"
 _EAGLE3_VLLM = eagle3.EXPORT.formats["vllm"]  # the layout peagle extends
@@ -82,6 +83,7 @@ class PEagleOptions:
 
 class PEagleHead(eagle3.Eagle3Head):
     kind = "peagle"
+    layout = PARALLEL_SLOTS  # EAGLE-3's layer, every step k > 0 reading a mask slot (`mask_slots`)
     # EAGLE-3 drafting its steps from mask slots, all in one forward
     rules = KindRules(title="P-EAGLE", trains_lm_head=True, attention_bias_from_target=False, options=PEagleOptions)
     export = EXPORT

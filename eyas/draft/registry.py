@@ -1,11 +1,13 @@
 """The head kinds eyas trains: one line per kind (how to add one: docs/heads.md, "Adding a head kind").
 
 A line names the module that holds the kind's head (a `DraftHead` subclass whose `kind` is the
-line's key, with its recipe rules and options) and what a recipe needs before that module is
-imported: its drafting layout (`eyas.draft.layouts`), which sizes the unroll, and the defaults it
-gives other recipe keys. This module imports neither torch nor a kind's module: `eyas.config`
-checks every recipe with it, and pays for importing a kind (torch, transformers: seconds) only when
-the recipe sets one of the kind's own keys (`eyas.config`, the `draft` section).
+line's key, which declares its layout, recipe rules and options, and everything the stages ask of it)
+and what a recipe needs before that module is imported: its drafting layout (`eyas.draft.layouts`),
+which sizes the unroll, and the defaults it gives other recipe keys. This module imports neither torch
+nor a kind's module: the recipe checks (`eyas.recipe_kinds`) read every recipe with it, and pay for
+importing a kind (torch, transformers: seconds) only when the recipe sets one of the kind's own keys.
+So the layout is written twice, in the kind's class and on its line here, and a class that declares
+another layout than its line is refused when its module is imported (`DraftHead.__init_subclass__`).
 """
 
 from __future__ import annotations
@@ -15,13 +17,13 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
+from eyas.draft.features import default_layers
 from eyas.draft.layouts import BLOCK, LAYER_PER_STEP, PARALLEL_SLOTS, SHARED_LAYER, Layout
 from eyas.errors import EyasError
 
 if TYPE_CHECKING:
     import torch
 
-    from eyas.draft.config import HeadConfig
     from eyas.draft.head import DraftHead
     from eyas.draft.kinds import KindRules
 
@@ -31,7 +33,7 @@ class Kind:
     """One registry line."""
 
     module: str  # holds the kind's DraftHead subclass
-    layout: Layout
+    layout: Layout  # the one its class declares, for the recipe checks before the module is imported
     # recipe keys ("section.key") this kind sets when the recipe does not (the kind's published training)
     recipe_defaults: dict[str, Any] = field(default_factory=dict)
 
@@ -62,10 +64,12 @@ def head_class(kind: str) -> type[DraftHead]:
 
 @cache
 def _head_class(kind: str, module: str) -> type[DraftHead]:
-    from eyas.draft.head import DraftHead  # torch: only once a head is asked for
+    import torch  # only once a head is asked for
 
+    # A head is the torch module that names the kind in its own class (DraftHead's subclasses; `eyas.draft.head`
+    # imports this module, so the registry knows heads by what they are rather than importing it back).
     found = [value for value in vars(importlib.import_module(module)).values()
-             if isinstance(value, type) and issubclass(value, DraftHead) and value.__dict__.get("kind") == kind]
+             if isinstance(value, type) and issubclass(value, torch.nn.Module) and value.__dict__.get("kind") == kind]
     if len(found) != 1:
         raise EyasError(f"module {module} should hold one DraftHead subclass with kind = '{kind}', found {len(found)}")
     return found[0]
@@ -92,21 +96,9 @@ def build_head(draft_cfg: Any, target_config: Any, aux_layers: list[int] | None 
     `d2t` (draft id -> offset to target id) selects the reduced draft vocabulary of kinds that
     support one; it is ignored otherwise and when `draft.use_draft_vocab` is false.
     """
-    from eyas.config import default_layers  # eyas.config imports this module for the kinds' names
-
     cls = head_class(draft_cfg.kind)
     if cls.feature_spec.fused_layers and not aux_layers:
         aux_layers = default_layers(int(target_config.num_hidden_layers))
     use_vocab = uses_draft_vocab(draft_cfg) and d2t is not None
     cfg = cls.head_config(draft_cfg, target_config, aux_layers, len(d2t) if use_vocab else None, target_identity)
     return cls(cfg, d2t if cfg.reduced_vocab else None)
-
-
-def head_from_config(cfg: HeadConfig | dict, d2t: torch.Tensor | None = None, where: str = "config.json"
-                     ) -> DraftHead:
-    """Rebuild a head from a saved config (a HeadConfig, or the dict of a config.json)."""
-    from eyas.draft.config import HeadConfig  # the saved-config reader, beside the heads it rebuilds
-
-    if isinstance(cfg, dict):
-        cfg = HeadConfig.from_dict(cfg, where)
-    return head_class(cfg.kind)(cfg, d2t)
