@@ -1,1 +1,1 @@
-"""SLURM templates and `eyas submit`."""
+"""The front door's SLURM side: job templates and `eyas submit`, which chains the stages on a cluster."""

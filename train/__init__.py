@@ -1,1 +1,1 @@
-"""Trainers: draft heads (eagle, eagle3, mtp), losses, the training loop, export."""
+"""Train stage: the training loop and its pieces (setup, step, evaluation, save, resume), the training-time-test unroll, losses, export."""

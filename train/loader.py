@@ -395,3 +395,8 @@ class BatchStream:
         if self._data is not None:
             self._data._shutdown_workers()  # DataLoader has no public close; its __del__ calls this too
             self._data = None
+
+
+def make_loader(recipe: Any, accelerator: Any, reader: Any, shuffle: bool) -> TokenBudgetLoader:
+    return TokenBudgetLoader(reader, recipe.train.token_budget, seed=recipe.run.seed, rank=accelerator.process_index,
+                             world_size=accelerator.num_processes, shuffle=shuffle, grad_accum=recipe.train.grad_accum)

@@ -50,12 +50,12 @@ from eyas.stage_cli import stage_main
 from eyas.train import checkpoint as ckpt
 from eyas.train.accelerator import make_accelerator as make_accelerator  # tests import it from here
 from eyas.train.evaluation import evaluate
-from eyas.train.loader import BatchStream, TokenBudgetLoader
+from eyas.train.loader import BatchStream, TokenBudgetLoader, make_loader
 from eyas.train.memory import refuse_if_too_big
 from eyas.train.metrics import MetricsLogger
 from eyas.train.resume import Resumed, resume, resume_notes
 from eyas.train.save import save_checkpoint
-from eyas.train.setup import Setup, make_loader, set_up
+from eyas.train.setup import Setup, set_up
 from eyas.train.state import TrainState
 from eyas.train.step import StepSums, step_metrics, train_step
 

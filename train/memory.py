@@ -23,10 +23,11 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from eyas.data.dump import feature_spec, manifest_features
 from eyas.data.memory import shard_bytes
-from eyas.draft.config import text_config
+from eyas.draft.config import target_shapes, text_config
 from eyas.draft.features import FUSED_LAYERS, LAST_HIDDEN
 from eyas.draft.head import DraftHead
 from eyas.draft.registry import build_head, head_class, uses_draft_vocab
+from eyas.draft.ttt_attention import dense_fallback_reason
 from eyas.errors import EyasError
 from eyas.memory import (
     CUDA_RUNTIME,
@@ -435,3 +436,12 @@ def optimizer_steps(recipe: Recipe, gpus: int, lengths: np.ndarray | None, token
         steps = math.ceil(cfg.epochs * tokens / (gpus * cfg.grad_accum * cfg.token_budget))
         return steps, f"at least: {cfg.epochs:g} epochs x {tokens:,} tokens / ({gpus} x {cfg.grad_accum} x {cfg.token_budget})"
     return None, "unknown: run `eyas prepare` first or pass --tokens N"
+
+
+def dense_attention_reason(train_steps: int, accelerator: Any, target_config: Any) -> str:
+    """Why the unroll's attention would run densely on this GPU ("" where it runs fused, or has one step)."""
+    if train_steps < 2:
+        return ""
+    s = target_shapes(target_config)  # the attention layout alone (shapes_of also counts the target's parameters)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
+    return dense_fallback_reason(accelerator.device, dtype, s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"])

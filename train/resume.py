@@ -15,7 +15,8 @@ from eyas.errors import EyasError
 from eyas.io import sha256_file
 from eyas.train import checkpoint as ckpt
 from eyas.train import trust
-from eyas.train.setup import Setup, set_optimizer_settings
+from eyas.train.optimizer import set_optimizer_settings
+from eyas.train.setup import Setup
 from eyas.train.state import TrainState
 
 # Settings a resume cannot change: they fix the data order, the batch shapes or the numerics of

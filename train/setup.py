@@ -9,7 +9,6 @@ objects in it keep their own state (weights, optimizer moments, the loader's pos
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,12 +17,9 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
-from eyas.draft.config import target_shapes
 from eyas.draft.head import DraftHead, count_parameters, init_layers_from_target
 from eyas.draft.registry import build_head, head_class
-from eyas.draft.ttt_attention import dense_fallback_reason
 from eyas.errors import EyasError
 from eyas.recipe_checks import check_against_target, parse_loss_mix, selected_shape, tree_width
 from eyas.recipe_kinds import reads_drafted_tokens, token_feed
@@ -33,9 +29,10 @@ from eyas.targets import load_target_config, load_tokenizer, target_identity
 from eyas.train import checkpoint as ckpt
 from eyas.train.accelerator import configure_deepspeed, frozen_originals, make_accelerator
 from eyas.train.data import read_target_layer, read_target_weights
-from eyas.train.loader import TokenBudgetLoader
+from eyas.train.loader import TokenBudgetLoader, make_loader
 from eyas.train.losses import Teacher
-from eyas.train.memory import refuse_if_too_big, sharding_of
+from eyas.train.memory import dense_attention_reason, refuse_if_too_big, sharding_of
+from eyas.train.optimizer import count_steps, make_optimizer, make_schedule
 from eyas.train.rank_zero import RankZeroWork
 from eyas.train.source import Source, open_source
 from eyas.train.ttt import TrainingUnroll, TreeLevers
@@ -144,9 +141,7 @@ def set_up(recipe: Recipe, target_model: Any = None, fit_check: Callable[..., No
     configure_deepspeed(accelerator, cfg, load_universal=bool(resize and resize.processes_changed))
     frozen_fp32 = frozen_originals(accelerator, head)  # before DeepSpeed's cast
     model, optimizer = accelerator.prepare(TrainingUnroll(head.to(device), checkpoint_steps=cfg.checkpoint_unroll), optimizer)
-    # on the optimizer `prepare` returned: FSDP and ZeRO put their own (sharded) parameters in its groups
-    scheduler = get_cosine_with_min_lr_schedule_with_warmup(
-        optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=total_steps, min_lr_rate=cfg.min_lr_ratio)
+    scheduler = make_schedule(optimizer, cfg, total_steps)
     return Setup(recipe=recipe, accelerator=accelerator, rank_zero=rank_zero, resume_from=resume_from, resize=resize,
                  source=source, head_config=head_config, init_note=init_note, param_counts=param_counts, teacher=teacher,
                  mix=mix, token_feed=feed, levers=levers, select=select,
@@ -163,15 +158,6 @@ def check_target(recipe: Recipe, target_model: Any) -> tuple[Any, str]:
         target_config = load_target_config(recipe.target.path, trust_remote_code=recipe.target.trust_remote_code)
     check_against_target(recipe, target_config)
     return target_config, target_identity(target_config, load_tokenizer(recipe.target))
-
-
-def dense_attention_reason(train_steps: int, accelerator: Any, target_config: Any) -> str:
-    """Why the unroll's attention would run densely on this GPU ("" where it runs fused, or has one step)."""
-    if train_steps < 2:
-        return ""
-    s = target_shapes(target_config)  # the attention layout alone (shapes_of also counts the target's parameters)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
-    return dense_fallback_reason(accelerator.device, dtype, s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"])
 
 
 def seeded_head(recipe: Recipe, target_config: Any, target_model: Any, source: Source,
@@ -209,42 +195,3 @@ def make_teacher(accelerator: Any, head: DraftHead, lm_head: torch.Tensor, sourc
     bf16_cuda = accelerator.mixed_precision == "bf16" and accelerator.device.type == "cuda"
     return Teacher(lm_head, source.d2t if head.d2t is not None else None, chunk,
                    torch.bfloat16 if bf16_cuda else torch.float32, accelerator.device)
-
-
-def make_loader(recipe: Recipe, accelerator: Any, reader: Any, shuffle: bool) -> TokenBudgetLoader:
-    return TokenBudgetLoader(reader, recipe.train.token_budget, seed=recipe.run.seed, rank=accelerator.process_index,
-                             world_size=accelerator.num_processes, shuffle=shuffle, grad_accum=recipe.train.grad_accum)
-
-
-def count_steps(cfg: Any, batches: int, processes: int) -> int:
-    """The run's optimizer steps, which its warmup + cosine schedule spans: train.max_steps, else train.epochs' worth."""
-    if batches == 0:
-        raise EyasError(f"the training data gives no batch to each of {processes} process(es); "
-                        "use more data or a smaller train.token_budget")
-    return cfg.max_steps or max(1, math.ceil(cfg.epochs * batches / cfg.grad_accum))
-
-
-# ----------------------------------------------------------------------------- the optimizer
-
-
-def no_decay(name: str, param: torch.nn.Parameter) -> bool:
-    """Norm weights and biases (1-D parameters) take no weight decay, as in every LM trainer."""
-    return param.ndim < 2 or name.endswith(".bias")
-
-
-def make_optimizer(head: DraftHead, cfg: Any) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters; weight decay on matrices only (groups tagged `decay`)."""
-    named = [(n, p) for n, p in head.named_parameters() if p.requires_grad]
-    groups = [{"params": [p for n, p in named if not no_decay(n, p)], "decay": True},
-              {"params": [p for n, p in named if no_decay(n, p)], "decay": False}]
-    groups = [g for g in groups if g["params"]]
-    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas))
-    set_optimizer_settings(optimizer, cfg)
-    return optimizer
-
-
-def set_optimizer_settings(optimizer: torch.optim.Optimizer, cfg: Any) -> None:
-    """The recipe's betas and weight decay on every group (also after a resume restored the saved ones)."""
-    for group in optimizer.param_groups:
-        group["betas"] = tuple(cfg.betas)
-        group["weight_decay"] = cfg.weight_decay if group.get("decay", True) else 0.0

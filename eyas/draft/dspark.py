@@ -43,16 +43,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from eyas.draft.block_layout import (
-    FROM_TARGET,
-    BlockHead,
-    backbone_shapes,
-    check_fused_layers,
-    default_steps,
-    layer_fields,
-    target_mask_row,
-    without_mask,
-)
+from eyas.draft import block_layout
+from eyas.draft.block_layout import BlockHead
 from eyas.draft.config import HeadConfig
 from eyas.draft.formats import ExportContext, FormatSpec, KindExport, speculators_fields
 from eyas.draft.kinds import KindRules, option
@@ -90,7 +82,7 @@ class ConfidenceHead(nn.Module):
 
 def _shapes(cfg: HeadConfig, bias: bool) -> dict[str, tuple]:
     rank = _rank(cfg)
-    return {**backbone_shapes(cfg, bias), "markov_head.markov_w1.weight": (cfg.vocab_size, rank),
+    return {**block_layout.backbone_shapes(cfg, bias), "markov_head.markov_w1.weight": (cfg.vocab_size, rank),
             "markov_head.markov_w2.weight": (cfg.draft_vocab_size, rank),
             "confidence_head.proj.weight": (1, cfg.hidden_size + rank), "confidence_head.proj.bias": (1,)}
 
@@ -99,7 +91,7 @@ def _vllm_config(cfg: HeadConfig, ctx: ExportContext) -> dict:
     return {
         "architectures": [VLLM_ARCHITECTURE],
         **speculators_fields("dspark", ctx),
-        "transformer_layer_config": layer_fields(cfg, ctx),
+        "transformer_layer_config": block_layout.layer_fields(cfg, ctx),
         "draft_vocab_size": cfg.draft_vocab_size,
         "block_size": cfg.num_steps,
         "target_hidden_size": cfg.hidden_size,
@@ -142,15 +134,15 @@ def _check_steps(cfg: HeadConfig, steps: int) -> None:
 
 EXPORT = KindExport(
     # no mask vector in the weights (vLLM's loader drops one): read back, the mask rows carry the target's row
-    formats={"vllm": FormatSpec(VLLM_ARCHITECTURE, "dspark", _shapes, _vllm_config, prepare=without_mask,
-                                restore=target_mask_row, check_steps=_check_steps,
+    formats={"vllm": FormatSpec(VLLM_ARCHITECTURE, "dspark", _shapes, _vllm_config, prepare=block_layout.without_mask,
+                                restore=block_layout.target_mask_row, check_steps=_check_steps,
                                 read_config=_read_config, engine_model="Qwen3DSparkForCausalLM",
                                 engine_unchecked=_UNSERVED,
                                 # speculators' own save_pretrained names its model class, not the config's default
                                 aliases=("DSparkDraftModel",))},
-    from_target=FROM_TARGET,
-    check=check_fused_layers,
-    default_steps=default_steps,
+    from_target=block_layout.FROM_TARGET,
+    check=block_layout.check_fused_layers,
+    default_steps=block_layout.default_steps,
 )
 
 
