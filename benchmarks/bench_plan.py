@@ -117,7 +117,7 @@ def child(stage: str, recipe_overrides: list[str]) -> dict:
         trainer = Trainer(recipe)
         built = machine.status_kib("VmRSS")
         machine.reset_peak()
-        stream = BatchStream(trainer.loader, recipe.train.prefetch, recipe.train.loader_workers)
+        stream = BatchStream(trainer.setup.loader, recipe.train.prefetch, recipe.train.loader_workers)
         try:
             for _ in range(recipe.train.max_steps):  # the second step runs with AdamW's state
                 trainer.train_step([next(stream) for _ in range(recipe.train.grad_accum)])

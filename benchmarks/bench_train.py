@@ -108,10 +108,10 @@ def matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 7) -> float
 
 def bare_step(trainer, batch: dict) -> None:
     """The same module's forward (teacher + unroll + loss) and backward; nothing else."""
-    steps = trainer.train_steps
-    out = trainer.model(batch, trainer.teacher, steps, trainer.mix, token_feed=trainer.token_feed)
+    steps = trainer.setup.train_steps
+    out = trainer.setup.model(batch, trainer.setup.teacher, steps, trainer.setup.mix, token_feed=trainer.setup.token_feed)
     counts = [c.clamp(min=1.0) for c in out["counts"]]
-    loss = sum(w * s / c for w, s, c in zip(trainer.weights, out["loss_sums"], counts))
+    loss = sum(w * s / c for w, s, c in zip(trainer.setup.weights, out["loss_sums"], counts))
     loss.backward()
 
 
@@ -125,8 +125,8 @@ def run(args: argparse.Namespace) -> dict:
     recipe = build_run(root, args.steps + 2, args.seq, args.ttt, args.draft_vocab, args.mixed_precision, args.target)
     setup_s = time.perf_counter() - started
     trainer = Trainer(recipe)
-    stream = BatchStream(trainer.loader, recipe.train.prefetch)
-    fixed = to_device(next(iter(trainer.make_loader(trainer.source.train_reader, shuffle=False))), trainer.device)
+    stream = BatchStream(trainer.setup.loader, recipe.train.prefetch)
+    fixed = to_device(next(iter(trainer.make_loader(trainer.setup.source.train_reader, shuffle=False))), trainer.setup.device)
     trained, bare = [], []
     for rep in range(args.steps + 1):  # the first of each is a warm-up
         start = time.perf_counter()
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> dict:
         start = time.perf_counter()
         bare_step(trainer, fixed)
         elapsed = time.perf_counter() - start
-        trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.setup.optimizer.zero_grad(set_to_none=True)
         if rep:
             bare.append(elapsed)
         print(f"bench_train: rep {rep}: trainer {trained[-1][0] if rep else float('nan'):.2f} s, "
@@ -147,9 +147,9 @@ def run(args: argparse.Namespace) -> dict:
     tokens = statistics.median(t for _, t in trained)
     trainer_s = statistics.median(s for s, _ in trained)
     bare_s = statistics.median(bare)
-    dtype = torch.bfloat16 if trainer.accelerator.mixed_precision == "bf16" else torch.float32
+    dtype = torch.bfloat16 if trainer.setup.accelerator.mixed_precision == "bf16" else torch.float32
     peak = matmul_peak(dtype, size=256 if args.smoke else 2048)
-    flops = model_flops(trainer.head_config.to_dict(), args.seq, args.ttt, trainer.head_config.train_lm_head)
+    flops = model_flops(trainer.setup.head_config.to_dict(), args.seq, args.ttt, trainer.setup.head_config.train_lm_head)
     return {
         "trainer_tokens_per_s": tokens / trainer_s,
         "bare_tokens_per_s": args.seq / bare_s,

@@ -247,7 +247,7 @@ def test_steps_and_shard_bytes_match_the_trainer_and_the_dump(workspace, monkeyp
     trainer = loop.Trainer(recipe)
     lengths = plan.prepared_lengths(recipe)
     steps, how = train_memory.optimizer_steps(recipe, 1, lengths["train"], None)
-    assert steps == trainer.total_steps and "from" in how
+    assert steps == trainer.setup.total_steps and "from" in how
     manifest = json.loads((recipe.run_dir / "shards" / "manifest.json").read_text())
     per_token = sum(dump_memory.shard_bytes(recipe, plan.read_config(recipe)).values())
     assert per_token == 4 * 64 * 2 + 2 + 1  # three fused layers + last hidden in bf16, uint16 ids, the mask

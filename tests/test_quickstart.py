@@ -133,11 +133,15 @@ def test_quickstart_runs_every_stage_then_resumes(tmp_path, tiny_llama_dir, caps
     assert not stages.check("prepare", original).current
 
 
+CHAT_QUESTIONS = ("Hi! How was your weekend?", "What kind of music do you like?", "Do you have any pets?",
+                  "What did you have for dinner last night?")
+
+
 @pytest.mark.serving
 def test_the_quickstarts_vllm_line_serves_the_draft(parity_drafts, tmp_path):
     """The quickstart's last lines name a vLLM command that runs as printed on this CPU (a free port added): the
-    real SmolLM2 target from eyas's cache and the exported eagle3 draft of the vLLM tests. The server answers a
-    greedy completion and its metrics count drafted tokens accepted, so the draft is the one serving."""
+    real SmolLM2 target from eyas's cache and the exported eagle3 draft of the vLLM tests. The server answers greedy
+    chat turns and its metrics count drafted tokens accepted, so the draft is the one serving."""
     import subprocess
     import time
     import urllib.request
@@ -163,11 +167,12 @@ def test_the_quickstarts_vllm_line_serves_the_draft(parity_drafts, tmp_path):
             assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(2)
         model = str(resolve_target_path("smollm2-135m-instruct").resolve())
-        body = json.dumps({"model": model, "prompt": "The capital of France is", "max_tokens": 24,
-                           "temperature": 0}).encode()
-        request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=300) as response:
-            assert json.loads(response.read())["choices"][0]["text"]
+        for question in CHAT_QUESTIONS:  # chat turns, as the draft was trained on (chitchat replies)
+            body = json.dumps({"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": 48,
+                               "temperature": 0}).encode()
+            request = urllib.request.Request(f"{url}/v1/chat/completions", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=300) as response:
+                assert json.loads(response.read())["choices"][0]["message"]["content"]
         with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
             metrics = response.read().decode()
     finally:

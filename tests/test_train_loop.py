@@ -382,7 +382,7 @@ def test_draft_init_from_the_targets_last_layer(workspace, kind, capsys):
 
     last, layer = _target_layer(workspace["target"])
     recipe = _recipe(workspace, f"init_{kind}", f"draft.kind={kind}", "train.draft_init=target_last_layer")
-    head = Trainer(recipe).model.head
+    head = Trainer(recipe).setup.model.head
     blocks = [head.midlayer] if kind == "eagle3" else list(head.layers)
     hidden = layer["self_attn.o_proj.weight"].shape[0]
     for block in blocks:
@@ -400,8 +400,8 @@ def test_draft_init_from_the_targets_last_layer(workspace, kind, capsys):
     trainer = Trainer(random)
     # the schedule drives the optimizer accelerate prepared (FSDP and ZeRO put their own parameters in its
     # groups), not the one built before `prepare`
-    assert trainer.scheduler.optimizer is trainer.optimizer
-    other = trainer.model.head
+    assert trainer.setup.scheduler.optimizer is trainer.setup.optimizer
+    other = trainer.setup.model.head
     o_proj = (other.midlayer if kind == "eagle3" else other.layers[0]).self_attn.o_proj.weight
     assert not torch.equal(o_proj, layer["self_attn.o_proj.weight"])  # the default is still the random init
     result = train(recipe)
@@ -450,7 +450,7 @@ def test_a_run_pinned_to_some_cpus_trains_with_a_thread_for_each_of_them(tmp_pat
     other on one core (eyas.cpus)."""
     import os
 
-    from eyas.train.loop import make_accelerator
+    from eyas.train.accelerator import make_accelerator
 
     allowed, threads = os.sched_getaffinity(0), torch.get_num_threads()
     recipe = load_recipe(None, [f"run.output_dir={tmp_path}"])

@@ -48,7 +48,6 @@ from eyas.io import publish_dir
 from eyas.recipe_schema import Recipe
 from eyas.stage_cli import stage_main
 from eyas.train import checkpoint as ckpt
-from eyas.train.accelerator import make_accelerator as make_accelerator  # tests import it from here
 from eyas.train.evaluation import evaluate
 from eyas.train.loader import BatchStream, TokenBudgetLoader, make_loader
 from eyas.train.memory import refuse_if_too_big
@@ -99,22 +98,6 @@ class Trainer:
         self.position: dict = {}  # the data position after the last step, which a checkpoint saves
         self.unread_tokens = torch.zeros((), dtype=torch.long, device=self.setup.device)  # of the steps since their last read
         self.resumed: Resumed | None = None
-
-    # The parts under the names the tests and benchmarks read (trainer.model, trainer.loader, ...).
-    accelerator = property(lambda self: self.setup.accelerator)
-    device = property(lambda self: self.setup.device)
-    source = property(lambda self: self.setup.source)
-    loader = property(lambda self: self.setup.loader)
-    head_config = property(lambda self: self.setup.head_config)
-    model = property(lambda self: self.setup.model)
-    optimizer = property(lambda self: self.setup.optimizer)
-    scheduler = property(lambda self: self.setup.scheduler)
-    teacher = property(lambda self: self.setup.teacher)
-    mix = property(lambda self: self.setup.mix)
-    token_feed = property(lambda self: self.setup.token_feed)
-    weights = property(lambda self: self.setup.weights)
-    train_steps = property(lambda self: self.setup.train_steps)
-    total_steps = property(lambda self: self.setup.total_steps)
 
     def make_loader(self, reader: Any, shuffle: bool) -> TokenBudgetLoader:
         return make_loader(self.setup.recipe, self.setup.accelerator, reader, shuffle)
