@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import copy
 import math
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 import torch
@@ -60,7 +61,7 @@ from eyas.errors import EyasError
 from eyas.eval.kv import additive_mask, keep_positions
 
 
-class Draft:
+class Draft(ABC):
     """What the speculative decoder needs of a draft (see the module docstring); every draft is one."""
 
     name: str
@@ -69,23 +70,23 @@ class Draft:
     max_depth: int | None = None
     gives_confidence: bool = False
 
-    def start(self, prompt_ids: torch.Tensor, root: int, features: torch.Tensor | None) -> torch.Tensor:
-        raise NotImplementedError
+    @abstractmethod
+    def start(self, prompt_ids: torch.Tensor, root: int, features: torch.Tensor | None) -> torch.Tensor: ...
 
-    def expand(self, parents: list[int], tokens: list[int]) -> torch.Tensor:
-        raise NotImplementedError
+    @abstractmethod
+    def expand(self, parents: list[int], tokens: list[int]) -> torch.Tensor: ...
 
+    @abstractmethod
     def commit(self, kept: list[int], tokens: list[int], root: int, features: torch.Tensor | None
-               ) -> torch.Tensor:
-        raise NotImplementedError
+               ) -> torch.Tensor: ...
 
     def plan_depth(self, depth: int) -> None:
-        """The decoder drafts trees `depth` deep from the next `start` on (nothing to plan for most drafts)."""
+        """The decoder drafts trees `depth` deep from the next `start` on: a draft that runs several depths in one
+        forward plans them here; the others have nothing to plan."""
+        return None
 
-    def chain_confidence(self, tokens: list[int]) -> list[float]:
-        """Per chain draft, the probability that it is accepted: only a draft that declares `gives_confidence`
-        has one (the decoder refuses a shape that asks another)."""
-        raise NotImplementedError(f"draft '{self.name}' gives no confidence")
+    # chain_confidence(tokens): only on a draft that declares `gives_confidence` (the decoder refuses a
+    # confidence-cut shape for any other before it decodes).
 
 
 class LMDraft(Draft):
