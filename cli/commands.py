@@ -24,6 +24,7 @@ TOOLS = (
     Command("submit", "eyas.slurm.submit", "render and submit SLURM jobs for a recipe's stages"),
     Command("launch", "eyas.cli.launch", "torchrun or accelerate launch whose SIGTERM/SIGINT saves a checkpoint and exits 0"),
     Command("verify", "eyas.data.shard_verify", "check a run's shards in full: sizes, headers, checksums, offsets"),
+    Command("engine", "eyas.train.stream", "a vLLM engine that captures features for a recipe's streamed training"),
     Command("plan", "eyas.cli.plan", "GPU and host memory, shard bytes and optimizer steps per stage, before anything runs"),
 )
 

@@ -42,6 +42,7 @@ from eyas.recipe_schema import Recipe
 from eyas.stage_cli import guarded
 from eyas.targets import check_layer_kinds, load_target_config
 from eyas.train.memory import draft_size, optimizer_steps, sharding_name, train_fits, train_need
+from eyas.train.stream import plan_lines as stream_plan_lines
 
 # Total memory of common GPUs, in MiB as `nvidia-smi` reports it (the same figure, in bytes, as
 # torch.cuda.get_device_properties(i).total_memory): a card sold as "80GB" holds about 79.6 GiB.
@@ -159,8 +160,10 @@ def _parts(parts: dict[str, float]) -> str:
     return ", ".join(f"{name} {value / GIB:.1f}" for name, value in parts.items() if value >= 0.05 * GIB)
 
 
-def report(recipe: Recipe, config: Any, hw: Hardware, sharding: str, tokens: int | None) -> tuple[list[str], list[str]]:
-    """The plan as printed lines, and one line per stage that does not fit (the setting and what fits)."""
+def report(recipe: Recipe, config: Any, hw: Hardware, sharding: str, tokens: int | None,
+           rates: tuple[float | None, float | None] = (None, None)) -> tuple[list[str], list[str]]:
+    """The plan as printed lines, and one line per stage that does not fit (the setting and what fits). `rates`:
+    a streamed run's measured engine and trainer tokens/s."""
     sizes = s, d = shapes_of(config), draft_size(recipe, config)
     needs = [stage_need(stage, recipe, config, s, d, hw, sharding) for stage in ("dump", "train", "eval")]
     lengths = prepared_lengths(recipe)
@@ -184,6 +187,8 @@ def report(recipe: Recipe, config: Any, hw: Hardware, sharding: str, tokens: int
     if counted:
         lines.append(f"{'':8}{counted:,} tokens ({'prepared data' if lengths else '--tokens'}): "
                      f"{counted * total / GIB:,.1f} GiB on disk")
+    if recipe.train.source == "stream":
+        lines += stream_plan_lines(recipe, config, s, d, hw.gpus, lengths, *rates)
     steps, how = optimizer_steps(recipe, hw.gpus, lengths["train"] if lengths else None, tokens)
     lines.append(f"steps: {steps:,} optimizer steps ({how})" if steps else f"steps: {how}")
     problems = [a for a in (fit_advice(n.stage, recipe, config, hw, sharding, sizes=sizes) for n in needs) if a]
@@ -202,6 +207,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--target-config", metavar="PATH_OR_DIR",
                    help="the target's config.json (or its folder) when target.path has no model yet")
     p.add_argument("--tokens", type=int, help="training tokens, for the step count when nothing is prepared yet")
+    p.add_argument("--engine-tokens-per-s", type=float, metavar="N",
+                   help="train.source=stream: a capture engine's measured tokens/s (benchmarks/bench_stream.py)")
+    p.add_argument("--trainer-tokens-per-s", type=float, metavar="N",
+                   help="train.source=stream: a trainer's measured tokens/s from shards, to size the engines against")
     p.add_argument("--debug", action="store_true", help="show the full traceback on errors")
     return p
 
@@ -215,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         hw = hardware(args.gpu, args.gpus, args.gpu_memory)
         recipe = load_recipe(args.recipe, list(args.overrides))
         config = read_config(recipe, args.target_config)
-        lines, problems = report(recipe, config, hw, accelerate_sharding(args.accelerate_config), args.tokens)
+        lines, problems = report(recipe, config, hw, accelerate_sharding(args.accelerate_config), args.tokens,
+                                 (args.engine_tokens_per_s, args.trainer_tokens_per_s))
         print("\n".join(lines))
         if problems:
             print("does not fit:\n" + "\n".join(f"  {line}" for line in problems))

@@ -238,7 +238,7 @@ def pad_right(sequences: list[list[int]], pad_id: int = 0) -> torch.Tensor:
     return out
 
 
-def _encode_batch(spec: dict, aux: list[torch.Tensor], last: torch.Tensor, real: torch.Tensor,
+def encode_features(spec: dict, aux: list[torch.Tensor], last: torch.Tensor, real: torch.Tensor,
                   model: Any) -> dict[str, torch.Tensor]:
     """Select real tokens (sample after sample) and encode them; returns CPU tensors."""
     out: dict[str, torch.Tensor] = {}
@@ -267,7 +267,7 @@ def shard_batches(capture: Any, dataset, indices: np.ndarray, lengths: np.ndarra
         real = (torch.arange(ids.shape[1])[None, :] < torch.as_tensor(lengths[batch])[:, None]).to(device)
         with torch.inference_mode():
             aux, last = capture(ids, lengths[batch])
-            encoded = _encode_batch(spec, aux, last, real, capture.model)
+            encoded = encode_features(spec, aux, last, real, capture.model)
         if "topk_ids" in encoded:
             encoded["topk_ids"] = encoded["topk_ids"].to(torch.int32).to(id_type)
         encoded["input_ids"] = torch.as_tensor(np.concatenate(rows["input_ids"]), dtype=torch.int32).to(id_type)

@@ -26,6 +26,7 @@ next engine step, so the capture steps the engine until every file of the batch 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 from pathlib import Path
@@ -37,6 +38,7 @@ from eyas.errors import EyasError
 from eyas.vllm_install import require_vllm
 
 CONNECTOR = "EyasHiddenStatesConnector"
+STAMP = "eyas_stamp"  # kv_connector_extra_config key: str -> str written into every file's safetensors metadata
 # Engine steps after a batch's generations return before its files must all be written (one is
 # enough in vLLM 0.32: the finished requests' saves go out with the next step's metadata).
 FLUSH_STEPS = 8
@@ -57,6 +59,7 @@ def __getattr__(name: str) -> Any:
 def _connector_class() -> type:
     import fcntl
 
+    from safetensors.torch import save_file
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
         ExampleHiddenStatesConnector,
         extract_from_kv_cache,
@@ -86,11 +89,57 @@ def _connector_class() -> type:
             if lock is None and self.use_lock:
                 lock = os.open(pending.filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
                 fcntl.flock(lock, fcntl.LOCK_EX)
-            self._write_tensors({"hidden_states": hidden, "token_ids": pending.token_ids.clone()}, Sent(),
-                                pending.filename, lock)
+            try:
+                save_file({"hidden_states": hidden, "token_ids": pending.token_ids.clone()}, pending.filename,
+                          metadata=self._stamp())
+            finally:
+                if lock is not None:
+                    os.close(lock)  # releases the reader waiting on the .lock file
             self._req_copy_events[pending.req_id] = Sent()
 
+        def _stamp(self) -> dict[str, str]:
+            """What every file says of where it came from: the layers this engine captures and, when the engine
+            was started for an eyas recipe (`eyas engine`, a streamed run's own engines), that target's identity."""
+            draft = self._vllm_config.speculative_config.draft_model_config.hf_config
+            stamp = {"eyas_layer_ids": json.dumps(list(draft.eagle_aux_hidden_state_layer_ids))}
+            stamp.update(self._kv_transfer_config.get_from_extra_config(STAMP, {}) or {})
+            return stamp
+
     return EyasHiddenStatesConnector
+
+
+def capture_layer_ids(aux_layers: list[int], need_last: bool, depth: int) -> list[int]:
+    """The vLLM layer ids an engine captures for these HF `hidden_states` indices, in layer order (as vLLM stores
+    them): the fused layers and, for the last hidden state, id `depth` (its pre-norm stream, normed here)."""
+    wanted = set(aux_layers) | ({depth} if need_last else set())
+    return sorted(min(i, depth) for i in wanted)
+
+
+def capture_config(layer_ids: list[int], storage: Path, lock: bool, stamp: dict[str, str] | None = None) -> dict:
+    """The engine arguments that make vLLM capture `layer_ids` of every prompt token into safetensors files under
+    `storage` (`LLM(**...)` keywords; `vllm serve` takes the same two as JSON). `lock`: the connector holds a
+    `.lock` file while it writes, so a reader in another process waits for the whole file (a server answers
+    before the write); the dump reads in the engine's own process after the write. `stamp`: written into every
+    file's metadata."""
+    extra: dict[str, Any] = {"shared_storage_path": str(storage), "use_synchronization_lock": lock}
+    if stamp:
+        extra[STAMP] = dict(stamp)
+    return {"speculative_config": {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                   "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}},
+            "kv_transfer_config": {"kv_connector": CONNECTOR, "kv_connector_module_path": __name__,
+                                   "kv_role": "kv_producer", "kv_connector_extra_config": extra}}
+
+
+def split_layers(stacked: torch.Tensor, layer_ids: list[int], aux_layers: list[int], depth: int,
+                 norm: torch.nn.Module | None, need_last: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """vLLM's captured `[..., len(layer_ids), H]` as `HiddenCapture` returns features: the fused layers in
+    `aux_layers`' order and the last hidden state (the final-norm output of the last layer's stream)."""
+    column = {layer: stacked[..., j, :] for j, layer in enumerate(layer_ids)}
+    if norm is not None:
+        column[depth] = norm(column[depth])
+    aux = [column[min(i, depth)] for i in aux_layers]
+    # without need_last the dump stores no last hidden state and never reads this one
+    return aux, column[depth] if need_last else aux[-1]
 
 
 def final_norm(config: Any, folder: Path, dtype: torch.dtype) -> torch.nn.Module:
@@ -128,8 +177,7 @@ class VllmCapture:
                  dump_cfg: Any, max_model_len: int, storage: Path, seed: int = 0) -> None:
         self.depth = int(config.num_hidden_layers)
         self.aux_layers, self.need_last = list(aux_layers), need_last
-        wanted = set(aux_layers) | ({self.depth} if need_last else set())
-        self.layer_ids = sorted(min(i, self.depth) for i in wanted)  # vLLM stores them in layer order
+        self.layer_ids = capture_layer_ids(aux_layers, need_last, self.depth)
         self.norm = final_norm(config, folder, dtype) if self.depth in self.layer_ids else None
         self.storage = storage
         self.llm: Any = None  # started by the first batch: a dump with every shard done (a requeued task, the
@@ -141,13 +189,7 @@ class VllmCapture:
             # Every token computed in its own batch position, as the plan batches it: a cached prefix would be
             # the same values, but from another batch's arithmetic.
             enable_prefix_caching=False, max_num_batched_tokens=max(int(dump_cfg.token_budget), max_model_len),
-            speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                                "draft_model_config": {"hf_config": {
-                                    "eagle_aux_hidden_state_layer_ids": self.layer_ids}}},
-            kv_transfer_config={"kv_connector": CONNECTOR, "kv_connector_module_path": __name__,
-                                "kv_role": "kv_producer",
-                                "kv_connector_extra_config": {"shared_storage_path": str(storage),
-                                                              "use_synchronization_lock": False}},
+            **capture_config(self.layer_ids, storage, lock=False),
         )
 
     def engine(self) -> Any:
@@ -192,12 +234,7 @@ class VllmCapture:
                 stacked = states.new_zeros(len(rows), input_ids.shape[1], len(self.layer_ids), states.shape[-1])
             stacked[b, :len(ids)] = states
         assert stacked is not None
-        column = {layer: stacked[:, :, j] for j, layer in enumerate(self.layer_ids)}
-        if self.norm is not None:
-            column[self.depth] = self.norm(column[self.depth])
-        aux = [column[min(i, self.depth)] for i in self.aux_layers]
-        # without need_last the dump stores no last hidden state and never reads this one
-        return aux, column[self.depth] if self.need_last else aux[-1]
+        return split_layers(stacked, self.layer_ids, self.aux_layers, self.depth, self.norm, self.need_last)
 
     def close(self) -> None:
         import gc

@@ -33,13 +33,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,11 +48,11 @@ from eyas.errors import EyasError
 from eyas.targets import resolve_target_path
 from eyas.train.export import VLLM_VERIFIED, export_draft, format_spec, taken_from_target
 from eyas.vllm_install import INSTALL, VLLM_CPU_VERSION, require_vllm, vllm_python  # noqa: F401  (eval's names too)
+from eyas.vllm_server import VllmServer, _log_tail, child_env, free_port, stop_process  # noqa: F401  (eval's names too)
 
 # vLLM log lines that mean a tensor was skipped, dropped or left as initialised.
 LOAD_WARNING = re.compile(r"(WARNING|ERROR).*(weight|tensor|checkpoint|not initiali[sz]ed|skipp|missing|unexpected)",
                           re.IGNORECASE)
-LOG_TAIL = 40
 
 
 def check_vllm_version(version: str, verified: str = VLLM_VERIFIED) -> None:
@@ -168,57 +165,6 @@ class VllmResult:
         out.pop("outputs")
         out.update(cumulative=self.cumulative, tau=self.tau)
         return out
-
-
-def _log_tail(log: Path, lines: int = LOG_TAIL) -> str:
-    try:
-        text = log.read_text(errors="replace").splitlines()
-    except OSError:
-        return "(no log)"
-    return "\n".join(text[-lines:])
-
-
-def child_env(kv_cache_gib: float, threads: int | None) -> dict:
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # engine core in the child itself: one log, one PID
-    env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    if threads:
-        env.setdefault("OMP_NUM_THREADS", str(threads))
-    return env
-
-
-def stop_process(proc: subprocess.Popen) -> None:
-    """Stop a child we started and everything in its process group (it has its own session):
-    SIGTERM, up to 20 s for the group to go, then SIGKILL."""
-    def group_alive() -> bool:
-        try:
-            os.killpg(proc.pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-
-    if proc.poll() is None or group_alive():
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and (proc.poll() is None or group_alive()):
-            time.sleep(0.2)
-        if group_alive():
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    proc.wait(timeout=20)
-    deadline = time.monotonic() + 10
-    while group_alive() and time.monotonic() < deadline:  # children re-parented to init are reaped by it
-        time.sleep(0.2)
 
 
 def offline_runs(target: str | Path, prompts: list[list[int]], max_new_tokens: int, runs: list[VllmRun],
@@ -545,83 +491,6 @@ def attach_log_warnings(results: list[VllmResult], log: Path) -> None:
             loading = False
         elif loading and current is not None and LOAD_WARNING.search(line) and "draft" in line.lower():
             current.load_warnings.append(line)
-
-
-# ----------------------------------------------------------------------------- the server
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class VllmServer:
-    """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1, started and stopped by PID.
-
-        with VllmServer(target, log=path) as server:
-            ... server.url ...          # http://127.0.0.1:PORT/v1
-
-    Does not come up within `timeout` seconds: the process group is stopped and EyasError names
-    the port with the log's last lines. `in_process_engine`: the engine runs in the server's own
-    process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): one process, where by default an engine-core and a
-    worker process each kept a core busy here (benchmarks/study_widened.py generates this way; the
-    two were not timed against each other).
-    """
-
-    def __init__(self, target: str | Path, log: str | Path, port: int = 0, dtype: str = "float32",
-                 max_model_len: int = 2048, timeout: float = 600, kv_cache_gib: float = 1,
-                 extra_args: list[str] | None = None, served_name: str = "target",
-                 in_process_engine: bool = False) -> None:
-        self.target, self.log, self.port = str(target), Path(log), port or free_port()
-        self.dtype, self.max_model_len, self.timeout = dtype, max_model_len, timeout
-        self.kv_cache_gib, self.extra_args, self.served_name = kv_cache_gib, list(extra_args or []), served_name
-        self.in_process_engine = in_process_engine
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    def start(self) -> VllmServer:
-        python = vllm_python()
-        require_vllm(python)
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.target, "--host", "127.0.0.1",
-                   "--port", str(self.port), "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
-                   "--served-model-name", self.served_name, "--enforce-eager", "--seed", "0",
-                   "--disable-uvicorn-access-log", *self.extra_args]
-        env = child_env(self.kv_cache_gib, None)
-        if not self.in_process_engine:
-            env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the server keeps its engine core process (same group)
-        with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.stop()
-                raise EyasError(f"vLLM's server on 127.0.0.1:{self.port} exited with status {self.proc.returncode} "
-                                f"before it came up; last lines of {self.log}:\n{_log_tail(self.log)}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/models", timeout=5) as response:
-                    if response.status == 200:
-                        return self
-            except OSError:
-                pass
-            time.sleep(1.0)
-        self.stop()
-        raise EyasError(f"vLLM's server on 127.0.0.1:{self.port} did not come up in {self.timeout:.0f} s and was "
-                        f"stopped; last lines of {self.log}:\n{_log_tail(self.log)}")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop_process(self.proc)
-
-    def __enter__(self) -> VllmServer:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

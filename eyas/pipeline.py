@@ -75,7 +75,7 @@ _TABLE = (
           slurm_jobs=("dump", "dump_finalize"), slurm_gpus=_dump_gpus, slurm_host_jobs=("dump_finalize",)),
     Stage("train", "eyas.train.loop", "train a draft head (eagle, eagle3, mtp, peagle, dflash, dspark) from shards or online",
           output=lambda r: r.run_dir / "checkpoints", sections=("target", "draft", "train"),
-          upstream=lambda r: ("prepare",) if r.train.source == "online" else ("dump",),
+          upstream=lambda r: ("prepare",) if r.train.source in ("online", "stream") else ("dump",),
           slurm_jobs=("train",), slurm_gpus=lambda r: "node"),
     Stage("eval", "eyas.eval.cli", "speculative decoding with the draft: acceptance per depth, tau, speedup",
           output=lambda r: Path(r.eval.output) if r.eval.output else r.run_dir / "eval",

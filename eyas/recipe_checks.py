@@ -54,6 +54,7 @@ def validate(recipe: Recipe) -> Recipe:
     if recipe.dump.backend == "vllm" and recipe.dump.teacher == "topk":
         raise EyasError("dump.backend=vllm stores no top-k teacher (that needs the target's lm_head over every "
                         "position); set dump.teacher=last_hidden, or dump.backend=transformers")
+    _check_stream(recipe)
     if not recipe.eval.shapes or not all(isinstance(s, str) for s in recipe.eval.shapes):
         raise EyasError(f"recipe key 'eval.shapes' must be a non-empty list of shape strings, got {recipe.eval.shapes!r}")
     selected_shape(recipe)  # parses, or names the key
@@ -145,3 +146,21 @@ def check_against_target(recipe: Recipe, target_config: Any) -> None:
                 f"(HF hidden_states indices 0..{depth}); the default is {default_layers(depth)}"
             )
     check_mtp_unroll(recipe)  # load_recipe refuses it first; a recipe built with dataclasses.replace meets it here
+
+
+def _check_stream(recipe: Any) -> None:
+    """`train.source: stream`: engines from one place, and features a vLLM engine can capture."""
+    train = recipe.train
+    if train.source != "stream":
+        return
+    if recipe.dump.teacher == "topk":
+        raise EyasError("train.source=stream captures no top-k teacher (that needs the target's lm_head over every "
+                        "position); set dump.teacher=last_hidden")
+    endpoints = train.stream_endpoints
+    if not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in endpoints):
+        raise EyasError(f"recipe key 'train.stream_endpoints' must be a list of engine URLs (http://HOST:PORT/v1), "
+                        f"got {endpoints!r}")
+    if bool(endpoints) == bool(train.stream_engines):
+        raise EyasError("train.source=stream needs its engines from one place: train.stream_engines (engines this "
+                        "run starts) or train.stream_endpoints (engines already running), not both and not neither; "
+                        f"got stream_engines={train.stream_engines}, stream_endpoints={endpoints!r}")

@@ -168,7 +168,35 @@ class DraftConfig:
 
 @dataclass
 class TrainConfig:
-    source: str = _doc("shards (from `eyas dump`) or online (the frozen target runs in the loop).", "shards")
+    source: str = _doc("shards (from `eyas dump`), online (the frozen target runs in the loop) or stream (vLLM engines "
+                       "capture each sample's features as training reads them: docs/stages.md, Streamed training).",
+                       "shards")
+    stream_engines: int = _doc(
+        "train.source stream: capture engines (`vllm serve` of the target) that `eyas train` starts on this node, "
+        "at ports train.stream_port, +1, ...; 0: use train.stream_endpoints.", 1)
+    stream_endpoints: list = _doc(
+        "train.source stream: base URLs (`http://HOST:PORT/v1`) of capture engines already running, each started "
+        "with `eyas engine RECIPE` for this run's recipe; when set, train.stream_engines must be 0.", factory=list)
+    stream_port: int = _doc("train.source stream: the first local engine's port.", 8470)
+    stream_storage: str = _doc(
+        "train.source stream: the folder engines write each capture to and trainers read it from (and delete): "
+        "one both see, on one node or a shared filesystem; empty: `<run>/stream/hidden`.", "")
+    stream_window: int = _doc(
+        "train.source stream: samples asked of the engines ahead of the one training reads, per process: what the "
+        "stream holds on disk and in host memory at most, whatever the dataset's size.", 64)
+    stream_batch: int = _doc(
+        "train.source stream: samples a local engine computes together (vLLM's --max-num-seqs). 1: each sample's "
+        "features are computed alone, so they are bitwise the same in a rerun or a resume whatever else the engine "
+        "was asked; more: short samples share a forward (throughput), and the features vary in the last bits with "
+        "what shared it.", 1)
+    stream_timeout_s: int = _doc(
+        "train.source stream: seconds one capture may take before the engine that holds it is named as stalled "
+        "(an error, not a hang), and how long a sample waits for some engine to answer when all are down.", 600)
+    stream_cache: str = _doc(
+        "train.source stream: what epochs after the first read. keep: the captured features, kept encoded under "
+        "the run's stream/cache/ as the first epoch reads them; none: they are streamed again; auto: keep when "
+        "the run trains more than one epoch and the cache fits in half the free disk (`eyas plan` says which).",
+        "auto")
     epochs: float = _doc("Passes over the training shards.", 1.0)
     max_steps: int = _doc("Stop after this many optimizer steps (0: epochs decide).", 0)
     token_budget: int = _doc("Tokens per micro-batch per process.", 8192)
@@ -332,7 +360,8 @@ CHOICES = {
     "dump.teacher": ("last_hidden", "topk"),
     "dump.backend": ("transformers", "vllm"),
     "draft.kind": KINDS.keys(),  # one line per kind in eyas/draft/registry.py (a live view)
-    "train.source": ("shards", "online"),
+    "train.source": ("shards", "online", "stream"),
+    "train.stream_cache": ("auto", "keep", "none"),
     "train.mixed_precision": ("auto", "fp32", "no", "bf16", "fp16"),
     "train.ttt_token_feed": ("auto", "draft", "data"),
     "train.draft_init": ("random", "target_last_layer"),
@@ -346,13 +375,14 @@ LOSS_NAMES = ("forward_kl", "ce", "tv", "jsd", "lk", "topk", "confidence")
 # loss terms that score a part only some heads have: a kind lists those it trains in `KindRules.losses`
 HEAD_LOSSES = ("confidence",)
 
-POSITIVE = ["train.lr", "train.token_budget", "train.grad_accum", "train.ttt_steps", "train.teacher_chunk",
+POSITIVE = ["train.stream_window", "train.stream_timeout_s", "train.stream_port", "train.stream_batch",
+            "train.lr", "train.token_budget", "train.grad_accum", "train.ttt_steps", "train.teacher_chunk",
             "train.log_every", "draft.num_steps", "data.max_length", "data.num_proc",
             "data.regenerate_max_new_tokens", "data.regenerate_batch_size", "dump.token_budget",
             "dump.shard_tokens", "dump.vllm_tensor_parallel_size",
             "dump.topk", "eval.max_new_tokens", "eval.answer_tokens", "data.self_prompt_temperature", "train.epochs",
             "train.keep_last", "train.eval_batches", "eval.batch_size", "train.dist_timeout_s"]
-NON_NEGATIVE = ["train.ttt_ramp_steps", "train.loader_workers", "train.tree_width",
+NON_NEGATIVE = ["train.stream_engines", "train.ttt_ramp_steps", "train.loader_workers", "train.tree_width",
                 "train.prefetch", "train.max_steps", "data.max_turns", "train.warmup_steps", "train.weight_decay", "train.max_grad_norm",
                 "train.eval_every", "train.save_every", "train.feature_loss_weight", "data.max_samples", "data.self_prompts",
                 "data.self_prompt_top_k", "data.regenerate_temperature", "dump.draft_vocab_size", "draft.intermediate_size",

@@ -66,10 +66,11 @@ def render(text: str, values: dict) -> str:
 
 
 def parse_stages(spec: str, recipe: Recipe) -> list[str]:
-    """`all`, one stage, or a comma list; returned in pipeline order. `all` skips dump for online training."""
+    """`all`, one stage, or a comma list; returned in pipeline order. `all` skips dump for online and streamed
+    training."""
     if spec == "all":
         stages = list(PIPELINE)
-        if recipe.train.source == "online":
+        if recipe.train.source in ("online", "stream"):
             stages.remove("dump")
         return stages
     wanted = [s.strip() for s in spec.split(",") if s.strip()]
@@ -221,9 +222,35 @@ def job_values(recipe: Recipe, args: argparse.Namespace, plan: Plan, recipe_path
         "launcher": launcher,
         "launch_args": rest,
         "device_env": cpu_env,
+        "stream_engines": stream_engine_steps(recipe, plan, python, recipe_arg),
         "dump_command": f"{python} -m eyas.cli dump {recipe_arg}",
         "finalize_command": f"{python} -m eyas.cli dump --finalize {recipe_arg}",
     }
+
+
+def stream_engine_steps(recipe: Recipe, plan: Plan, python: str, recipe_arg: str) -> str:
+    """train.sbatch's lines for `train.source: stream` with `train.stream_engines` E: the E capture engines as job
+    steps on the job's first node (`eyas engine`, with `dump.vllm_tensor_parallel_size` GPUs each on GPU nodes),
+    and the overrides that point the trainers at them (a shared run folder carries the files). Other recipes:
+    no engine, no override."""
+    engines = recipe.train.stream_engines if recipe.train.source == "stream" else 0
+    if not engines:
+        return 'ENGINE_STEPS=()\nSTREAM_OVERRIDES=""'
+    gpus = f" --gpus={recipe.dump.vllm_tensor_parallel_size}" if plan.gpus_per_node else ""
+    port = recipe.train.stream_port
+    return "\n".join([
+        f"# train.source=stream: {engines} capture engine(s) as job steps on the first node, reached by the trainers",
+        "ENGINE_STEPS=()",
+        "ENDPOINTS=()",
+        f"for ((E = 0; E < {engines}; E++)); do",
+        f'    srun --overlap --nodes=1 --ntasks=1 --nodelist="${{HEAD_NODE}}"{gpus} {python} -m eyas.cli engine '
+        f'{recipe_arg} --port $(({port} + E)) &',
+        "    ENGINE_STEPS+=($!)",
+        f'    ENDPOINTS+=("http://${{HEAD_NODE}}:$(({port} + E))/v1")',
+        "done",
+        'STREAM_OVERRIDES="train.stream_engines=0 train.stream_endpoints=[$(IFS=,; echo "${ENDPOINTS[*]}")]"',
+        'echo "[eyas] train: capture engines at ${ENDPOINTS[*]}"',
+    ])
 
 
 def gpu_request(stage: str, job: str, plan: Plan, recipe: Recipe) -> str:

@@ -378,3 +378,22 @@ def test_a_target_too_big_for_one_gpu_is_told_the_vllm_dump_that_fits(tmp_path, 
     assert need.device["weights"] == s.params * 2 / 4
     assert need.device["vLLM headroom"] == pytest.approx(0.1 * hw.memory)
     assert need.device_total <= hw.memory and need.host == {"running": need.host["running"]}
+
+
+def test_a_streamed_8b_run_plans_its_engines_and_window(config_8b, capsys, tmp_path, monkeypatch):
+    """train.source=stream: engines per trainer GPU from the FLOPs of a capture and of a trained token (or from
+    measured rates), and the window's disk and host bytes."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = _run(capsys, RECIPE_8B, "train.source=stream", "--gpu", "h100-80gb", "--gpus", "8",
+                          "--target-config", config_8b)
+    assert code == 0, err
+    line = next(line for line in out.splitlines() if line.startswith("stream:"))
+    # 2 x 8.03e9 FLOPs a capture; 6 x 424.7e6 x 7 unrolled steps + 2 x 4096 x 128256 a trained token
+    assert "16.1 GFLOP a captured token against 18.9 GFLOP a trained one" in line
+    assert line.startswith("stream: 10 engine GPU(s) keep 8 trainer GPU(s) fed (1.18 per trainer")
+    # 64 samples of 2,048 tokens (data.max_length: nothing prepared) x 4 captured layers x 4096 values
+    assert "window of 64 samples (mean 2,048 tokens) per trainer process: 4.00 GiB of engine files on disk, " \
+           "8.00 GiB captured in host memory" in out
+    code, out, err = _run(capsys, RECIPE_8B, "train.source=stream", "--gpus", "8", "--target-config", config_8b,
+                          "--engine-tokens-per-s", "40000", "--trainer-tokens-per-s", "10000")
+    assert "stream: 2 engine GPU(s) keep 8 trainer GPU(s) fed (0.25 per trainer; measured" in out

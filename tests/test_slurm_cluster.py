@@ -20,6 +20,7 @@ import pytest
 from train_helpers import pause_training_at
 
 from eyas.slurm import local_cluster
+from eyas.vllm_server import free_port
 
 pytestmark = pytest.mark.cluster
 
@@ -281,3 +282,36 @@ def test_submit_all_on_a_real_cluster_with_preemption(slurm_cluster, tmp_path, t
     assert preempted.keys() == uninterrupted.keys()
     for name in preempted:
         assert torch.equal(preempted[name], uninterrupted[name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_streamed_training_job_places_its_engine_and_trainer(slurm_cluster, tmp_path, monkeypatch):
+    """`eyas submit --stage prepare,train` of a `train.source: stream` recipe: the training job starts its capture
+    engine as a job step (`eyas engine`) beside the trainer, which trains every step from it; no dump runs."""
+    import yaml
+    from fixtures import build_tiny_target
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SLURM_CONF", str(slurm_cluster.conf))
+    # head_dim 64: vLLM's CPU attention takes no smaller head
+    target = build_tiny_target(tmp_path / "target", "llama", hidden_size=128, intermediate_size=256,
+                               num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=8)
+    runs = tmp_path / "runs"
+    recipe = yaml.safe_load(_tiny_recipe(tmp_path / "tiny.yaml", runs, "slurm-stream", target).read_text())
+    recipe["target"]["dtype"] = "float32"
+    recipe["dump"]["vllm_enforce_eager"] = True
+    recipe["train"].update(source="stream", stream_engines=1, stream_port=free_port(), max_steps=8, save_every=0)
+    path = tmp_path / "stream.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    _submit([str(path), "--stage", "prepare,train", "--nodes", "1", "--gpus-per-node", "0", "--procs-per-node", "1"])
+    run_dir = runs / "slurm-stream"
+    jobs = _jobs(run_dir)
+    assert list(jobs) == ["prepare", "train"]
+    states = wait_for(slurm_cluster, list(jobs.values()), timeout=1000)
+    log = _text(_log(run_dir, f"train-{jobs['train']}.out")[0])
+    assert set(states.values()) == {"COMPLETED"}, log[-3000:]
+    assert "capture engines at http://" in log and "eyas engine: capturing layers" in log
+    report = json.loads((run_dir / "stream" / "report.rank0.json").read_text())
+    assert report["fleet"]["captures"] > 0 and sum(report["train"]["trained"]) > 0
+    assert not (run_dir / "shards").exists()

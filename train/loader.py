@@ -18,6 +18,7 @@ back from the worker as the item in place of its batch and is raised there, mess
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import queue
 import signal
@@ -75,6 +76,8 @@ def read_batch(reader: Any, indices: Any) -> dict:
     them (`ShardReader`), else the reader's decoded samples (`PreparedReader`)."""
     if not hasattr(reader, "codes"):
         return pad_batch([reader.sample(int(i)) for i in indices])
+    if hasattr(reader, "request"):  # a streamed reader: the batch's samples captured side by side
+        reader.request(indices)
     features = reader.manifest["features"]
     fill = {name: INT4_ZERO for parts in feature_parts(features).values() for name, enc in parts if enc == "int4"}
     batch = pad_batch([reader.codes(int(i)) for i in indices], fill)
@@ -243,6 +246,27 @@ def endless_plan(loader: TokenBudgetLoader) -> Iterator[tuple[int, int, np.ndarr
             return
 
 
+def asked_ahead(planned: Iterator, reader: Any) -> Iterator:
+    """The plan's items, with the samples of the batches ahead asked of a streamed reader (`eyas.train.stream`) up to
+    its window: the engines capture ahead of the batch being read, the samples of at most `reader.window` ahead."""
+    ahead: collections.deque = collections.deque()
+    held = 0  # samples in the batches asked and not yet handed on
+    for item in planned:
+        if isinstance(item, EyasError):
+            break
+        reader.request(item[2])
+        ahead.append(item)
+        held += len(item[2])
+        while ahead and held >= reader.window:
+            held -= len(ahead[0][2])
+            yield ahead.popleft()
+    else:
+        item = None
+    yield from ahead
+    if item is not None:
+        yield item
+
+
 class _Plan:
     """The DataLoader's sampler: iterated in the training process, so the order is the loader's."""
 
@@ -254,7 +278,7 @@ class _Plan:
 
 
 class BatchReads(Dataset):
-    """One planned batch read as codes: (batch, epoch, position), or the EyasError that stopped it.
+    """One planned batch read as codes: (batch, epoch, position, sample indices), or the EyasError that stopped it.
 
     Errors are returned, not raised: a DataLoader re-raises a worker's exception with the worker's
     traceback folded into its message, and a user-facing error must stay one line."""
@@ -268,7 +292,7 @@ class BatchReads(Dataset):
         epoch, position, indices = item
         try:
             batch = read_batch(self.reader, indices)
-            return (decode_batch(batch) if self.decode else batch), epoch, position
+            return (decode_batch(batch) if self.decode else batch), epoch, position, indices
         except EyasError as exc:
             return exc
 
@@ -302,8 +326,8 @@ def _workers_started() -> Iterator[None]:
 
 def _pinned(item: Any) -> Any:
     if isinstance(item, tuple):
-        batch, epoch, position = item
-        return {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}, epoch, position
+        batch, *rest = item
+        return {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}, *rest
     return item
 
 
@@ -327,9 +351,11 @@ class BatchStream:
     def __init__(self, loader: TokenBudgetLoader, prefetch: int = 2, workers: int = 0,
                  pin_memory: bool | None = None, decode_in_reader: bool = False) -> None:
         self.loader = loader
-        self.prefetch, self.workers = int(prefetch), int(workers)
+        # a streamed reader's captures are threads of this process, which worker processes could not share
+        self.prefetch, self.workers = int(prefetch), 0 if hasattr(loader.reader, "request") else int(workers)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
         self._reads = BatchReads(loader.reader, decode=decode_in_reader)
+        self.taken = np.zeros(len(loader.reader), dtype=np.int64)  # times each sample was handed on (to a step)
         self._source: Iterator | None = None
         self._data: Any = None  # the DataLoader's iterator (workers > 0)
         self._queue: queue.Queue | None = None
@@ -337,7 +363,10 @@ class BatchStream:
         self._thread: threading.Thread | None = None
 
     def _read_in_process(self) -> Iterator:
-        for planned in endless_plan(self.loader):
+        planned_batches = endless_plan(self.loader)
+        if hasattr(self.loader.reader, "request"):
+            planned_batches = asked_ahead(planned_batches, self.loader.reader)
+        for planned in planned_batches:
             item = self._reads[planned]
             yield _pinned(item) if self.pin_memory else item
             if isinstance(item, EyasError):
@@ -385,7 +414,8 @@ class BatchStream:
         item = next(self._source)
         if isinstance(item, BaseException):
             raise item
-        batch, epoch, position = item
+        batch, epoch, position, indices = item
+        self.taken[np.asarray(indices)] += 1
         return batch, {**self.loader.state_dict(), "epoch": epoch, "position": position}
 
     def close(self) -> None:

@@ -141,8 +141,7 @@ class Trainer:
             stream.close()
             signals.restore()
             logger.close()
-            if s.source.features is not None:
-                s.source.features.close()
+            s.source.close(trained=stream.taken)
         return {"step": self.state.step, "outcome": outcome, "checkpoint": ckpt.latest_checkpoint(s.ckpt_root),
                 "best": ckpt.best_checkpoint(s.run_dir), "best_score": self.state.best_score,
                 "best_by": self.state.best_by,

@@ -1,4 +1,5 @@
-"""Where a run's batches come from: the shards' readers, or, online, the prepared data with the target in the loop."""
+"""Where a run's batches come from: the shards' readers; online, the prepared data with the target in the loop;
+streamed, the prepared data with vLLM engines capturing each sample's features (`eyas.train.stream`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from eyas.targets import load_target
 from eyas.train.data import open_shards
 from eyas.train.loader import to_device
 from eyas.train.online import OnlineFeatures, PreparedReader
+from eyas.train.stream import open_stream
 
 
 @dataclass
@@ -27,6 +29,15 @@ class Source:
     d2t: torch.Tensor | None
     features: Any = None  # OnlineFeatures when train.source is online
     description: str = ""
+    stream: Any = None  # the engines and their readers when train.source is stream
+
+    def close(self, trained: Any = None) -> None:
+        """Stop what the source started: the online target's hooks, the stream's engines (and write its report, with
+        `trained`: how often each train sample went into a step)."""
+        if self.features is not None:
+            self.features.close()
+        if self.stream is not None:
+            self.stream.close(trained)
 
     def prepare(self, batch: dict, device: Any) -> dict:
         """A loader's batch on the device, with the target's features added when online."""
@@ -46,6 +57,15 @@ def open_source(recipe: Recipe, target_config: Any, identity: str, device: Any, 
         desc = (f"shards {shards['root']} ({len(reader)} samples, {reader.manifest.get('num_tokens')} tokens, "
                 f"{reader.manifest.get('encoding')})")
         return Source(reader, shards["heldout"], shards["layers"], d2t, None, desc)
+    if recipe.train.source == "stream":
+        stream, layers = open_stream(recipe, target_config, identity)
+        train_reader = stream.readers["train"]
+        d2t = _online_vocab(recipe, train_reader, int(target_config.vocab_size)) if want_vocab else None
+        heldout = stream.readers["heldout"]
+        return Source(train_reader, heldout if len(heldout) else None, layers, d2t, None,
+                      f"stream: {len(stream.fleet.engines)} vLLM engine(s) capturing {len(train_reader)} samples, "
+                      f"window {recipe.train.stream_window}, cache {'kept' if train_reader.cache else 'none'}",
+                      stream)
     if target_model is None:
         target_model, _ = load_target(recipe.target, device)
     layers = head_class(kind).feature_spec.target_layers(recipe.dump.layers, int(target_config.num_hidden_layers))
