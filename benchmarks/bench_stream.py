@@ -1,7 +1,7 @@
 """Streamed training (`train.source: stream`) against dump-then-train, on the same prepared SmolLM2 data, in one run.
 
-Run: `python benchmarks/bench_stream.py` (about 12 minutes on 2 CPU cores; `--samples`, `--max-length`, `--steps` for
-a longer run; `--smoke`: a tiny target and a few steps, figures that measure nothing).
+Run: `python benchmarks/bench_stream.py` (about 12 minutes on 2 CPU cores; `--samples`, `--max-length`, `--steps`,
+`--window` for another run; `--smoke`: a tiny target and a few steps, figures that measure nothing).
 
 Each core has one job: the capture engine (`eyas engine`, its threads bound to core 1) and the trainer (pinned to
 core 0), so the trainer's rate from the stream is set by the engine keeping up, not by the two sharing a core.
@@ -12,7 +12,8 @@ core 0), so the trainer's rate from the stream is set by the engine keeping up, 
   plus the trainer's start to its first logged step; the stream is the engine's start (`eyas engine` until it
   answers) plus the trainer's start to its first step. The ratio stream / dump-then-train.
 - Disk and host high-water marks of the stream: the engine's files folder, polled every 20 ms during the run, and
-  the fleet's captured-but-unread bytes (its report), each as a share of the offline dump's size on disk.
+  the fleet's finished-but-unread captures as stored codes (its report), each as a share of the offline dump's size
+  on disk. Both scale with the window, not the data: `window / samples` of the dump at most, for the host.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -100,16 +102,19 @@ def _folder_bytes(folder: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="smollm2-135m-instruct")
-    parser.add_argument("--samples", type=int, default=400, help="chitchat conversations prepared")
-    parser.add_argument("--max-length", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=40, help="optimizer steps of 2,048 tokens each arm trains")
+    parser.add_argument("--samples", type=int, default=800, help="chitchat conversations prepared")
+    parser.add_argument("--max-length", type=int, default=384)
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps of 2,048 tokens each arm trains")
+    parser.add_argument("--window", type=int, default=16, help="train.stream_window: samples asked ahead")
+    parser.add_argument("--work", help="folder for the runs and their logs (default: a new temporary folder)")
     add_report_args(parser, RESULTS.name, "a tiny target, 60 conversations and 6 steps; figures that measure nothing")
     args = parser.parse_args(argv)
     folder = apply_smoke(args, "bench_stream", samples=60, max_length=96, steps=6)
     out = output_path(args.out, RESULTS, args.smoke, folder)
-    root = (folder or out.parent) / "bench_stream_runs"
+    root = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="eyas-bench-stream-", dir=folder))
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
+    print(f"bench_stream: runs and logs in {root}", flush=True)
     cpus = allowed_cpus()
     trainer_core, engine_core = (cpus[0], cpus[1]) if len(cpus) >= 2 else (None, None)
     logs = root / "logs"
@@ -133,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     storage = root / "streamed" / "stream" / "hidden"
     streamed = _overrides(args, root, "streamed", "train.source=stream", "train.stream_engines=0",
-                          f"train.stream_endpoints=[http://127.0.0.1:{port}/v1]", f"train.stream_storage={storage}")
+                          f"train.stream_endpoints=[http://127.0.0.1:{port}/v1]", f"train.stream_storage={storage}",
+                          f"train.stream_window={args.window}")
     engine, engine_start_s = _start_engine(streamed, root / "streamed", logs / "engine.log", engine_core, port)
     try:
         stream = _train_timed(streamed, root / "streamed", logs / "train-stream.log", trainer_core, watch=storage)

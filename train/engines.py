@@ -26,6 +26,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,7 +85,7 @@ class Engine:
 class FleetCounts:
     captures: int = 0
     retries: int = 0  # requests asked again of another engine (or the same after its restart)
-    held_bytes: int = 0  # captured layers in host memory, not yet read by the trainer
+    held_bytes: int = 0  # finished captures (as stored codes) in host memory, not yet read by the trainer
     most_held_bytes: int = 0  # the run's high-water mark of held_bytes
 
 
@@ -109,36 +110,37 @@ class EngineFleet:
         for thread in self._threads:
             thread.start()
 
-    def submit(self, index: int, token_ids: list[int]) -> Future:
-        """Capture sample `index` on one of the fleet's threads; the Future holds its layers or its error."""
+    def submit(self, index: int, token_ids: list[int], finish: Callable[[torch.Tensor], dict]) -> Future:
+        """Capture sample `index` on one of the fleet's threads, which also runs `finish` on the captured layers
+        (the encode to stored codes, 4x smaller than the engine's fp32); the Future holds its result or error."""
         future: Future = Future()
-        self._work.put((future, index, token_ids))
+        self._work.put((future, index, token_ids, finish))
         return future
 
     def _serve(self) -> None:
         while True:
-            future, index, token_ids = self._work.get()
+            future, index, token_ids, finish = self._work.get()
             if future is None or self._closed.is_set():
                 return
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                hidden = self.capture(index, token_ids)
+                result = finish(self.capture(index, token_ids))
             except BaseException as exc:  # handed to the reader, raised there
                 future.set_exception(exc)
                 continue
-            self._hold(hidden.nbytes)
-            future.set_result(hidden)
+            self._hold(_nbytes(result))
+            future.set_result(result)
 
     def _hold(self, nbytes: int) -> None:
-        """Count `nbytes` of captures into host memory (negative: the trainer read them)."""
+        """Count `nbytes` of finished captures into host memory (negative: the trainer took them)."""
         with self._lock:
             self.counts.held_bytes += nbytes
             self.counts.most_held_bytes = max(self.counts.most_held_bytes, self.counts.held_bytes)
 
-    def release(self, hidden: torch.Tensor) -> None:
-        """The reader has taken a capture `submit` returned: it no longer counts as held."""
-        self._hold(-hidden.nbytes)
+    def release(self, result: dict) -> None:
+        """The reader has taken a result `submit` returned: it no longer counts as held by the stream."""
+        self._hold(-_nbytes(result))
 
     def capture(self, index: int, token_ids: list[int]) -> torch.Tensor:
         """Sample `index`'s captured layers, [T, len(layer ids), H], asking the engines in turn (module docstring)."""
@@ -237,10 +239,14 @@ class EngineFleet:
         tensor code when the interpreter exits aborts the process."""
         self._closed.set()
         for _ in self._threads:  # wake the idle threads so they see the close
-            self._work.put((None, -1, []))
+            self._work.put((None, -1, [], None))
         deadline = time.monotonic() + wait_s
         for thread in self._threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _nbytes(tensors: dict) -> int:
+    return sum(t.nbytes for t in tensors.values())
 
 
 def wait_until_up(urls: list[str], timeout_s: float) -> None:

@@ -4,8 +4,9 @@
 `codes(i)`, the manifest's `features`), so batching, order, resume and the decode on the training device are the
 shards' own. Its sample `i` is the dump's sample `i`: the prepared rows in the dump's plan order
 (`plan_shards`: longest first), so a streamed run draws the same batches as a run from that data's shards for the
-same seed. `codes(i)` encodes the captured layers exactly as the dump does (`encode_features`, `dump.encoding`),
-so a streamed batch holds the very codes a shard would.
+same seed. Each capture is encoded as soon as it arrives, on the fleet's thread, exactly as the dump encodes
+(`encode_features`, `dump.encoding`): a streamed batch holds the very codes a shard would, and the window holds
+codes, not the engine's fp32.
 
 The window: the loader's read-ahead asks the engines for the samples of the batches ahead (`request`) until
 `train.stream_window` samples are asked and not yet read; each engine file is read and deleted as its answer
@@ -22,6 +23,7 @@ whose engine was not (the closing test of the engine-kill case).
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import math
@@ -31,6 +33,7 @@ import signal
 import socket
 import threading
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,23 +48,35 @@ from eyas.data.shard_format import ids_dtype
 from eyas.errors import EyasError
 from eyas.memory import GIB
 from eyas.recipe_schema import Recipe
-from eyas.stage_cli import stage_main, stage_parser
+from eyas.stage_cli import command_help, stage_main, stage_parser
 from eyas.targets import load_target_config, load_tokenizer, pick_device, resolve_dtype, resolve_target_path, target_identity
 from eyas.train.engines import EngineFleet, EngineSpec, local_storage, wait_until_up
 
 CACHE_FILL = 0.5  # `auto` keeps a cache that takes at most this share of the free disk
 
 
+@dataclass(frozen=True)
+class Capture:
+    """What turns an engine's captured layers into a shard's codes: the dump's feature spec and encodings."""
+
+    spec: dict  # `feature_spec`: the fused layers, whether the last hidden state is stored, the encodings
+    layer_ids: list[int]  # the engine's captured ids, in its order
+    depth: int  # the target's layers (vLLM's id of the last layer's stream)
+    features: dict  # the manifest's `features`, as the loader decodes them
+    norm: Any  # the target's final norm (for the last hidden state), or None
+    ids_dtype: torch.dtype
+
+
 class StreamReader:
     """One split of the prepared data with its features from the engines (module docstring)."""
 
-    def __init__(self, dataset: Any, fleet: EngineFleet, capture: dict, shard_tokens: int, window: int,
+    def __init__(self, dataset: Any, fleet: EngineFleet, capture: Capture, shard_tokens: int, window: int,
                  cache: Path | None) -> None:
         prepared = sample_lengths(dataset)
         self.order = np.concatenate(plan_shards(prepared, shard_tokens)) if len(prepared) else prepared
         self._lengths = prepared[self.order]
         self.dataset, self.fleet, self.capture = dataset, fleet, capture
-        self.manifest = {"features": capture["features"]}
+        self.manifest = {"features": capture.features}
         self.dtype = torch.float32
         self.window, self.cache = int(window), cache
         self.reads = np.zeros(len(self.order), dtype=np.int64)  # times each sample was read (report)
@@ -87,7 +102,7 @@ class StreamReader:
         with self._guard:
             for i in map(int, indices):
                 if i not in self._asked and not self._cached(i).is_file():
-                    self._asked[i] = self.fleet.submit(i, self._row(i)["input_ids"])
+                    self._asked[i] = self.fleet.submit(i, self._row(i)["input_ids"], functools.partial(self._encode, i))
             self.most_asked = max(self.most_asked, len(self._asked))
 
     def codes(self, i: int) -> dict[str, torch.Tensor]:
@@ -104,12 +119,11 @@ class StreamReader:
         with self._guard:
             asked = self._asked[i]
         try:
-            captured = asked.result()
+            codes = asked.result()
         finally:
             with self._guard:
                 self._asked.pop(i, None)
-        self.fleet.release(captured)
-        codes = self._encode(i, captured)
+        self.fleet.release(codes)
         if self.cache is not None:
             _save_atomic(codes, cached)
         return codes
@@ -117,11 +131,11 @@ class StreamReader:
     def _encode(self, i: int, captured: torch.Tensor) -> dict[str, torch.Tensor]:
         c, row = self.capture, self._row(i)
         with torch.no_grad():
-            aux, last = split_layers(captured[None], c["layer_ids"], c["spec"]["aux_layers"], c["depth"], c["norm"],
-                                     c["spec"]["last_hidden"])
+            aux, last = split_layers(captured[None], c.layer_ids, c.spec["aux_layers"], c.depth, c.norm,
+                                     c.spec["last_hidden"])
             real = torch.ones(1, captured.shape[0], dtype=torch.bool)
-            codes = encode_features(c["spec"], aux, last, real, None)
-        codes["input_ids"] = torch.as_tensor(row["input_ids"], dtype=torch.int32).to(c["ids_dtype"])
+            codes = encode_features(c.spec, aux, last, real, None)
+        codes["input_ids"] = torch.as_tensor(row["input_ids"], dtype=torch.int32).to(c.ids_dtype)
         codes["loss_mask"] = torch.as_tensor(row["loss_mask"], dtype=torch.uint8)
         return codes
 
@@ -197,8 +211,7 @@ def open_stream(recipe: Recipe, target_config: Any, identity: str) -> tuple[Stre
     urls = engine_urls(recipe)
     servers = []
     if cfg.stream_engines and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        shutil.rmtree(engines.storage, ignore_errors=True)
-        engines.storage.mkdir(parents=True)
+        engines.storage.mkdir(parents=True, exist_ok=True)  # shared by every node's engines: never emptied here
         try:
             for e in range(cfg.stream_engines):
                 servers.append(engines.server(cfg.stream_port + e, run_dir / "stream" / f"engine-{e}.log").start())
@@ -212,10 +225,9 @@ def open_stream(recipe: Recipe, target_config: Any, identity: str) -> tuple[Stre
     spec = feature_spec(recipe, target_config)
     depth = int(target_config.num_hidden_layers)
     dtype = resolve_dtype(recipe.target.dtype, pick_device(recipe.target.device))
-    capture = {"spec": spec, "layer_ids": engines.layer_ids, "depth": depth,
-               "features": manifest_features(spec, int(target_config.hidden_size)),
-               "norm": final_norm(target_config, Path(engines.target), dtype) if depth in engines.layer_ids else None,
-               "ids_dtype": ids_dtype(int(target_config.vocab_size))}
+    capture = Capture(spec, engines.layer_ids, depth, manifest_features(spec, int(target_config.hidden_size)),
+                      final_norm(target_config, Path(engines.target), dtype) if depth in engines.layer_ids else None,
+                      ids_dtype(int(target_config.vocab_size)))
     readers = {}
     for split in ("train", "heldout"):
         dataset = load_prepared(run_dir, split)
@@ -296,7 +308,7 @@ def plan_lines(recipe: Recipe, config: Any, shapes: Any, draft: Any, trainers: i
 def main(argv: list[str] | None = None) -> int:
     """`eyas engine RECIPE [--port P] [--host H]`: one capture engine for the recipe's streamed training, in the
     foreground until stopped (SIGTERM, Ctrl-C); a run names it in train.stream_endpoints."""
-    parser = stage_parser("eyas engine", "a vLLM capture engine for a recipe's train.source=stream", force=False)
+    parser = stage_parser("eyas engine", command_help("engine", main.__doc__), force=False)
     parser.add_argument("--port", type=int, default=0, help="port to serve on (default: train.stream_port)")
     parser.add_argument("--host", default="0.0.0.0", help="interface to listen on (default: every interface)")
 
