@@ -21,7 +21,6 @@ from __future__ import annotations
 import http.client
 import json
 import queue
-import socket
 import threading
 import time
 import urllib.error
@@ -154,7 +153,7 @@ class EngineFleet:
             try:
                 params = self._ask(engine, token_ids)
             except DOWN_ERRORS + (urllib.error.URLError,) as exc:
-                if isinstance(exc, urllib.error.URLError) and isinstance(exc.reason, (TimeoutError, socket.timeout)):
+                if isinstance(exc, urllib.error.URLError) and isinstance(exc.reason, TimeoutError):
                     raise self._stalled(engine, index) from None
                 down[engine.url] = str(getattr(exc, "reason", exc))
                 with self._lock:
