@@ -43,7 +43,7 @@ def _overrides(args, root: Path, name: str, *extra: str) -> list[str]:
     return [f"target.path={args.target}", "target.dtype=float32", f"run.output_dir={root}", f"run.name={name}",
             "data.source=chitchat", f"data.max_samples={args.samples}", f"data.max_length={args.max_length}",
             "data.heldout_fraction=0.02", "dump.backend=vllm", "dump.token_budget=4096", "dump.shard_tokens=262144",
-            *TRAIN, f"train.max_steps={args.steps}", *extra]
+            *TRAIN, f"train.max_steps={args.steps}", *(["dump.vllm_enforce_eager=true"] if args.smoke else []), *extra]
 
 
 def _pinned(core: int | None) -> list[str]:

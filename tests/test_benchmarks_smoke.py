@@ -45,7 +45,7 @@ SLOW = {
     "bench_peer_speculators.py": "prepares a run, trains two drafts, serves three vLLM engines: 53 s idle, 90 s beside other jobs",
     "study_widened.py": "`vllm serve` for generate, then dump, train and an eval: 138 s alone on one core",
     "bench_dump_backends.py": "a transformers dump and a vLLM dump (eager engine), two drafts trained: 60 s alone on one core",
-    "bench_stream.py": "a vLLM dump, a capture engine and two short trainings",
+    "bench_stream.py": "a vLLM dump, a capture engine (both eager) and two short trainings: 128 s on 2 cores",
 }
 BENCH_LINE = re.compile(r"^BENCH \S+ [-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)? \S+", re.MULTILINE)
 TIMEOUT_S = {"fast": 300, "slow": 840}  # below pytest's own 900 s, so a hang reports the script's output
