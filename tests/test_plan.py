@@ -391,9 +391,10 @@ def test_a_streamed_8b_run_plans_its_engines_and_window(config_8b, capsys, tmp_p
     # 2 x 8.03e9 FLOPs a capture; 6 x 424.7e6 x 7 unrolled steps + 2 x 4096 x 128256 a trained token
     assert "16.1 GFLOP a captured token against 18.9 GFLOP a trained one" in line
     assert line.startswith("stream: 10 engine GPU(s) keep 8 trainer GPU(s) fed (1.18 per trainer")
-    # 64 samples of 2,048 tokens (data.max_length: nothing prepared) x 4 captured layers x 4096 values
+    # 64 samples of 2,048 tokens (data.max_length: nothing prepared): 4 captured layers x 4096 bf16 values on disk,
+    # 16,397 bytes of codes a token in host memory
     assert "window of 64 samples (mean 2,048 tokens) per trainer process: 4.00 GiB of engine files on disk, " \
-           "8.00 GiB captured in host memory" in out
+           "2.00 GiB of codes in host memory" in out
     code, out, err = _run(capsys, RECIPE_8B, "train.source=stream", "--gpus", "8", "--target-config", config_8b,
                           "--engine-tokens-per-s", "40000", "--trainer-tokens-per-s", "10000")
     assert "stream: 2 engine GPU(s) keep 8 trainer GPU(s) fed (0.25 per trainer; measured" in out

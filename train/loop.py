@@ -225,7 +225,10 @@ def train(recipe: Any, target_model: Any = None, stop_at_step: int | None = None
     """
     started = time.perf_counter()
     trainer = Trainer(recipe, target_model)
-    result = trainer.run(stop_at_step)
+    try:
+        result = trainer.run(stop_at_step)
+    finally:  # a failure before run's own close (a refused resume) still stops what the source started
+        trainer.setup.source.close()
     result["seconds"] = time.perf_counter() - started
     return result
 

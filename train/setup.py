@@ -34,7 +34,7 @@ from eyas.train.losses import Teacher
 from eyas.train.memory import dense_attention_reason, refuse_if_too_big, sharding_of
 from eyas.train.optimizer import count_steps, make_optimizer, make_schedule
 from eyas.train.rank_zero import RankZeroWork
-from eyas.train.source import Source, open_source
+from eyas.train.source import Source, closed_on_error, open_source
 from eyas.train.ttt import TrainingUnroll, TreeLevers
 
 
@@ -124,30 +124,31 @@ def set_up(recipe: Recipe, target_model: Any = None, fit_check: Callable[..., No
                   accelerator.num_processes, sharding_of(accelerator), accelerator.mixed_precision,
                   dense_attention_reason(train_steps, accelerator, target_config))
     source = open_source(recipe, target_config, identity, device, target_model)
-    head, lm_head, init_note = seeded_head(recipe, target_config, target_model, source, identity)
-    head_config = head.config
-    teacher = make_teacher(accelerator, head, lm_head, source, cfg.teacher_chunk)
-    mix, feed = parse_loss_mix(cfg.loss), token_feed(recipe)
-    levers = TreeLevers(tree_width(recipe), follow=cfg.sibling_feed, align=cfg.align_mask)
-    # the held-out eval measures a tree's rates in a second pass beside the chain's: along the branch the tree
-    # continues (where the unroll reads its drafted tokens), each depth's over the positions the branch reached
-    # (the align mask's reach: a verify stops where the target's token is outside the tree's width)
-    select_width = ranks_needed(select)
-    eval_tree = TreeLevers(select_width, follow=reads_drafted_tokens(recipe), align=True) if select_width > 1 else None
-    loader = make_loader(recipe, accelerator, source.train_reader, shuffle=True)
-    total_steps = count_steps(cfg, len(loader), accelerator.num_processes)
-    optimizer = make_optimizer(head, cfg)
-    param_counts = count_parameters(head)  # before ZeRO-3 partitions the weights
-    configure_deepspeed(accelerator, cfg, load_universal=bool(resize and resize.processes_changed))
-    frozen_fp32 = frozen_originals(accelerator, head)  # before DeepSpeed's cast
-    model, optimizer = accelerator.prepare(TrainingUnroll(head.to(device), checkpoint_steps=cfg.checkpoint_unroll), optimizer)
-    scheduler = make_schedule(optimizer, cfg, total_steps)
-    return Setup(recipe=recipe, accelerator=accelerator, rank_zero=rank_zero, resume_from=resume_from, resize=resize,
-                 source=source, head_config=head_config, init_note=init_note, param_counts=param_counts, teacher=teacher,
-                 mix=mix, token_feed=feed, levers=levers, select=select,
-                 select_width=select_width, eval_tree=eval_tree, train_steps=train_steps,
-                 weights=[cfg.ttt_decay ** k for k in range(train_steps)], loader=loader, total_steps=total_steps,
-                 frozen_fp32=frozen_fp32, model=model, optimizer=optimizer, scheduler=scheduler)
+    with closed_on_error(source):  # a streamed source's engines stop if what follows fails
+        head, lm_head, init_note = seeded_head(recipe, target_config, target_model, source, identity)
+        head_config = head.config
+        teacher = make_teacher(accelerator, head, lm_head, source, cfg.teacher_chunk)
+        mix, feed = parse_loss_mix(cfg.loss), token_feed(recipe)
+        levers = TreeLevers(tree_width(recipe), follow=cfg.sibling_feed, align=cfg.align_mask)
+        # the held-out eval measures a tree's rates in a second pass beside the chain's: along the branch the tree
+        # continues (where the unroll reads its drafted tokens), each depth's over the positions the branch reached
+        # (the align mask's reach: a verify stops where the target's token is outside the tree's width)
+        select_width = ranks_needed(select)
+        eval_tree = TreeLevers(select_width, follow=reads_drafted_tokens(recipe), align=True) if select_width > 1 else None
+        loader = make_loader(recipe, accelerator, source.train_reader, shuffle=True)
+        total_steps = count_steps(cfg, len(loader), accelerator.num_processes)
+        optimizer = make_optimizer(head, cfg)
+        param_counts = count_parameters(head)  # before ZeRO-3 partitions the weights
+        configure_deepspeed(accelerator, cfg, load_universal=bool(resize and resize.processes_changed))
+        frozen_fp32 = frozen_originals(accelerator, head)  # before DeepSpeed's cast
+        model, optimizer = accelerator.prepare(TrainingUnroll(head.to(device), checkpoint_steps=cfg.checkpoint_unroll), optimizer)
+        scheduler = make_schedule(optimizer, cfg, total_steps)
+        return Setup(recipe=recipe, accelerator=accelerator, rank_zero=rank_zero, resume_from=resume_from, resize=resize,
+                     source=source, head_config=head_config, init_note=init_note, param_counts=param_counts, teacher=teacher,
+                     mix=mix, token_feed=feed, levers=levers, select=select,
+                     select_width=select_width, eval_tree=eval_tree, train_steps=train_steps,
+                     weights=[cfg.ttt_decay ** k for k in range(train_steps)], loader=loader, total_steps=total_steps,
+                     frozen_fp32=frozen_fp32, model=model, optimizer=optimizer, scheduler=scheduler)
 
 
 def check_target(recipe: Recipe, target_model: Any) -> tuple[Any, str]:

@@ -3,6 +3,8 @@ streamed, the prepared data with vLLM engines capturing each sample's features (
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +47,16 @@ class Source:
         if self.features is not None:
             batch = self.features(batch)
         return batch
+
+
+@contextlib.contextmanager
+def closed_on_error(source: Source) -> Iterator[Source]:
+    """Close `source` (stop its engines, its target's hooks) when the block raises; keep it open otherwise."""
+    try:
+        yield source
+    except BaseException:
+        source.close()
+        raise
 
 
 def open_source(recipe: Recipe, target_config: Any, identity: str, device: Any, target_model: Any = None) -> Source:

@@ -167,9 +167,14 @@ class Stream:
 
     def __init__(self, fleet: EngineFleet, servers: list, readers: dict[str, StreamReader], report_path: Path) -> None:
         self.fleet, self.servers, self.readers, self.report_path = fleet, servers, readers, report_path
+        self.closed = False
 
     def close(self, trained: Any = None) -> None:
-        """Stop the engines this run started; write the report (`trained`: each train sample's steps, this process)."""
+        """Stop the engines this run started; write the report (`trained`: each train sample's steps, this process).
+        Once: a later call (a run's failure path after its own close) does nothing."""
+        if self.closed:
+            return
+        self.closed = True
         self.fleet.close()
         report = {"fleet": self.fleet.report(), **{split: r.report() for split, r in self.readers.items()}}
         if trained is not None:
@@ -209,32 +214,32 @@ def open_stream(recipe: Recipe, target_config: Any, identity: str) -> tuple[Stre
     cfg, run_dir = recipe.train, recipe.run_dir
     engines = engine_spec(recipe, target_config, identity)
     urls = engine_urls(recipe)
-    servers = []
-    if cfg.stream_engines and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        engines.storage.mkdir(parents=True, exist_ok=True)  # shared by every node's engines: never emptied here
-        try:
+    servers: list = []
+    try:  # anything failing from here stops the engines this process started
+        if cfg.stream_engines and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            engines.storage.mkdir(parents=True, exist_ok=True)  # shared by every node's engines: never emptied here
             for e in range(cfg.stream_engines):
                 servers.append(engines.server(cfg.stream_port + e, run_dir / "stream" / f"engine-{e}.log").start())
-        except BaseException:
-            for server in servers:
-                server.stop()
-            raise
-    wait_until_up(urls, timeout_s=900 if cfg.stream_engines else cfg.stream_timeout_s)
-    fleet = EngineFleet(urls, engines.storage, identity, engines.layer_ids, cfg.stream_timeout_s,
-                        workers=cfg.stream_window)
-    spec = feature_spec(recipe, target_config)
-    depth = int(target_config.num_hidden_layers)
-    dtype = resolve_dtype(recipe.target.dtype, pick_device(recipe.target.device))
-    capture = Capture(spec, engines.layer_ids, depth, manifest_features(spec, int(target_config.hidden_size)),
-                      final_norm(target_config, Path(engines.target), dtype) if depth in engines.layer_ids else None,
-                      ids_dtype(int(target_config.vocab_size)))
-    readers = {}
-    for split in ("train", "heldout"):
-        dataset = load_prepared(run_dir, split)
-        cache = cache_folder(recipe, target_config, identity, dataset, split)
-        readers[split] = StreamReader(dataset, fleet, capture, recipe.dump.shard_tokens, cfg.stream_window, cache)
-    rank = int(os.environ.get("RANK", "0"))
-    return Stream(fleet, servers, readers, run_dir / "stream" / f"report.rank{rank}.json"), spec["aux_layers"]
+        wait_until_up(urls, timeout_s=900 if cfg.stream_engines else cfg.stream_timeout_s)
+        fleet = EngineFleet(urls, engines.storage, identity, engines.layer_ids, cfg.stream_timeout_s,
+                            workers=cfg.stream_window)
+        spec = feature_spec(recipe, target_config)
+        depth = int(target_config.num_hidden_layers)
+        dtype = resolve_dtype(recipe.target.dtype, pick_device(recipe.target.device))
+        capture = Capture(spec, engines.layer_ids, depth, manifest_features(spec, int(target_config.hidden_size)),
+                          final_norm(target_config, Path(engines.target), dtype) if depth in engines.layer_ids else None,
+                          ids_dtype(int(target_config.vocab_size)))
+        readers = {}
+        for split in ("train", "heldout"):
+            dataset = load_prepared(run_dir, split)
+            cache = cache_folder(recipe, target_config, identity, dataset, split)
+            readers[split] = StreamReader(dataset, fleet, capture, recipe.dump.shard_tokens, cfg.stream_window, cache)
+        rank = int(os.environ.get("RANK", "0"))
+        return Stream(fleet, servers, readers, run_dir / "stream" / f"report.rank{rank}.json"), spec["aux_layers"]
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
 
 
 def cache_folder(recipe: Recipe, target_config: Any, identity: str, dataset: Any, split: str) -> Path | None:
@@ -289,12 +294,13 @@ def plan_lines(recipe: Recipe, config: Any, shapes: Any, draft: Any, trainers: i
     spec = feature_spec(recipe, config)
     captured = len(capture_layer_ids(spec["aux_layers"], spec["last_hidden"], shapes.layers))
     width = 4 if recipe.target.dtype == "float32" else 2  # bytes a value in the engine's dtype (auto: bf16 on a GPU)
-    window = cfg.stream_window * mean * captured * shapes.hidden
+    tokens = cfg.stream_window * mean
+    files = tokens * captured * shapes.hidden * width  # the engine's files, before they are read
+    codes = tokens * sum(shard_bytes(recipe, config).values())  # what the window holds: captures encoded as stored
     lines = [f"stream: {engines} engine GPU(s) keep {trainers} trainer GPU(s) fed ({per_trainer:.2f} per trainer; "
              f"{how})",
              f"{'':8}window of {cfg.stream_window} samples (mean {mean:,.0f} tokens) per trainer process: "
-             f"{window * width / GIB:.2f} GiB of engine files on disk, {window * 4 / GIB:.2f} GiB captured in host "
-             "memory, at most"]
+             f"{files / GIB:.2f} GiB of engine files on disk, {codes / GIB:.2f} GiB of codes in host memory, at most"]
     if lengths:
         size = sum(int(v.sum()) for v in lengths.values()) * sum(shard_bytes(recipe, config).values())
         choice = "kept" if keeps_cache(recipe, config) else "not kept"
