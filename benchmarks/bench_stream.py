@@ -80,7 +80,7 @@ def _train_timed(overrides: list[str], run: Path, log: Path, core: int | None, w
 
 
 def _start_engine(overrides: list[str], run: Path, log: Path, core: int | None, port: int) -> tuple:
-    import urllib.request
+    from eyas.vllm_server import answers
 
     started = time.perf_counter()
     env = {"VLLM_CPU_OMP_THREADS_BIND": str(core)} if core is not None else {}
@@ -88,11 +88,9 @@ def _start_engine(overrides: list[str], run: Path, log: Path, core: int | None, 
     while True:
         if proc.poll() is not None:
             sys.exit(f"bench_stream: the engine exited (status {proc.returncode}); see {log}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2):
-                return proc, time.perf_counter() - started
-        except OSError:
-            time.sleep(0.2)
+        if answers(f"http://127.0.0.1:{port}/v1", timeout=2):
+            return proc, time.perf_counter() - started
+        time.sleep(0.2)
 
 
 def _folder_bytes(folder: Path) -> int:

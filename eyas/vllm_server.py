@@ -70,6 +70,15 @@ def stop_process(proc: subprocess.Popen) -> None:
         time.sleep(0.2)
 
 
+def answers(url: str, timeout: float = 5) -> bool:
+    """Whether the OpenAI server at `url` (`http://HOST:PORT/v1`) is up: its `/models` answers 200."""
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/models", timeout=timeout) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -123,12 +132,8 @@ class VllmServer:
                 self.stop()
                 raise EyasError(f"vLLM's server on 127.0.0.1:{self.port} exited with status {self.proc.returncode} "
                                 f"before it came up; last lines of {self.log}:\n{_log_tail(self.log)}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/models", timeout=5) as response:
-                    if response.status == 200:
-                        return self
-            except OSError:
-                pass
+            if answers(self.url):
+                return self
             time.sleep(1.0)
         self.stop()
         raise EyasError(f"vLLM's server on 127.0.0.1:{self.port} did not come up in {self.timeout:.0f} s and was "

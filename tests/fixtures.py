@@ -135,6 +135,15 @@ class JsonHandler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
+def write_chat_rows(path: Path, rows: int) -> Path:
+    """The first `rows` built-in chitchat conversations that have a reply, as a JSONL data source at `path`."""
+    from eyas.data.sources import chitchat_rows
+
+    picked = [r for r in chitchat_rows() if any(m["role"] == "assistant" for m in r["messages"])][:rows]
+    path.write_text("".join(json.dumps(r) + "\n" for r in picked))
+    return path
+
+
 @contextmanager
 def serving(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
     """`handler` on a loopback port in a thread; yields its base URL, stops it on exit."""

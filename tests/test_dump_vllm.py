@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures import build_tiny_target
+from fixtures import build_tiny_target, write_chat_rows
 
 from eyas.errors import EyasError
 
@@ -33,10 +33,8 @@ def _prepared(root: Path, target: Path, rows: int):
     """A transformers dump of `rows` chitchat conversations ('hf'), and a recipe maker on the same prepared data."""
     from eyas.data.dump import dump
     from eyas.data.prepare import prepare
-    from eyas.data.sources import chitchat_rows
 
-    picked = [r for r in chitchat_rows() if any(m["role"] == "assistant" for m in r["messages"])][:rows]
-    (root / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in picked))
+    write_chat_rows(root / "rows.jsonl", rows)
     recipe = _recipe(root, target, "hf", "dump.encoding=fp16")
     prepare(recipe)
     dump(recipe)

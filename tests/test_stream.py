@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures import build_tiny_target
+from fixtures import build_tiny_target, write_chat_rows
 from safetensors.torch import load_file
 
 from eyas.errors import EyasError
@@ -64,12 +64,10 @@ def workspace(tmp_path_factory):
     """(root, target, the vLLM dump's recipe): 40 conversations prepared and dumped through vLLM (fp8 codes)."""
     from eyas.data.dump import dump
     from eyas.data.prepare import prepare
-    from eyas.data.sources import chitchat_rows
 
     root = tmp_path_factory.mktemp("stream")
     target = build_tiny_target(root / "target", "llama", **TINY)
-    picked = [r for r in chitchat_rows() if any(m["role"] == "assistant" for m in r["messages"])][:40]
-    (root / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in picked))
+    write_chat_rows(root / "rows.jsonl", 40)
     recipe = _recipe(root, target, "dump", "dump.backend=vllm")
     prepare(recipe)
     dump(recipe)

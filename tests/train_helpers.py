@@ -54,15 +54,13 @@ def draft_cfg(kind: str, **kw) -> DraftConfig:
 def make_workspace(root, target, rows: int = 48, *overrides: str) -> dict:
     """Prepare and dump `rows` chitchat conversations on a tiny target (bf16, eagle3 layers + last hidden);
     `overrides` replace the recipe's keys below."""
-    import json
+    from fixtures import write_chat_rows
 
     from eyas.config import load_recipe
     from eyas.data.dump import dump
     from eyas.data.prepare import prepare
-    from eyas.data.sources import chitchat_rows
 
-    picked = [r for r in chitchat_rows() if any(m["role"] == "assistant" for m in r["messages"])][:rows]
-    (root / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in picked) + "\n")
+    write_chat_rows(root / "rows.jsonl", rows)
     recipe = load_recipe(None, [
         f"target.path={target}", f"run.output_dir={root}", "dump.draft_vocab_size=128",
         f"data.source={root / 'rows.jsonl'}", "data.max_length=96", "data.heldout_fraction=0.1",

@@ -35,7 +35,7 @@ import torch
 
 from eyas.data.dump_vllm import capture_config
 from eyas.errors import EyasError
-from eyas.vllm_server import VllmServer
+from eyas.vllm_server import VllmServer, answers
 
 SERVED_NAME = "target"
 IDENTITY_KEY = "eyas_target_identity"
@@ -252,13 +252,7 @@ def wait_until_up(urls: list[str], timeout_s: float) -> None:
     """Wait for every engine's `/models` to answer (engines another rank or job starts)."""
     deadline = time.monotonic() + timeout_s
     for url in urls:
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url.rstrip('/')}/models", timeout=5) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
+        while not answers(url):
             if time.monotonic() > deadline:
                 raise EyasError(f"train.source=stream: the engine at {url} did not answer in {timeout_s:.0f} s; "
                                 "start it with `eyas engine RECIPE` (or check train.stream_endpoints)")

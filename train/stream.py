@@ -101,8 +101,9 @@ class StreamReader:
         """Ask the engines for these samples now (the ones already asked or cached are skipped)."""
         with self._guard:
             for i in map(int, indices):
-                if i not in self._asked and not self._cached(i).is_file():
-                    self._asked[i] = self.fleet.submit(i, self._row(i)["input_ids"], functools.partial(self._encode, i))
+                if i not in self._asked and not self._is_cached(i):
+                    row = self._row(i)
+                    self._asked[i] = self.fleet.submit(i, row["input_ids"], functools.partial(self._encode, row))
             self.most_asked = max(self.most_asked, len(self._asked))
 
     def codes(self, i: int) -> dict[str, torch.Tensor]:
@@ -110,11 +111,10 @@ class StreamReader:
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} out of range 0..{len(self) - 1}")
         self.reads[i] += 1
-        cached = self._cached(i)
-        if cached.is_file():
+        if self._is_cached(i):
             from safetensors.torch import load_file
 
-            return load_file(str(cached))
+            return load_file(str(self._cached(i)))
         self.request([i])
         with self._guard:
             asked = self._asked[i]
@@ -125,11 +125,12 @@ class StreamReader:
                 self._asked.pop(i, None)
         self.fleet.release(codes)
         if self.cache is not None:
-            _save_atomic(codes, cached)
+            _save_atomic(codes, self._cached(i))
         return codes
 
-    def _encode(self, i: int, captured: torch.Tensor) -> dict[str, torch.Tensor]:
-        c, row = self.capture, self._row(i)
+    def _encode(self, row: dict, captured: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A prepared row's captured layers as a shard stores them (run on the fleet's thread)."""
+        c = self.capture
         with torch.no_grad():
             aux, last = split_layers(captured[None], c.layer_ids, c.spec["aux_layers"], c.depth, c.norm,
                                      c.spec["last_hidden"])
@@ -140,14 +141,14 @@ class StreamReader:
         return codes
 
     def _cached(self, i: int) -> Path:
-        return (self.cache / f"{i}.safetensors") if self.cache is not None else _NOWHERE
+        return self.cache / f"{i}.safetensors"
+
+    def _is_cached(self, i: int) -> bool:
+        return self.cache is not None and self._cached(i).is_file()
 
     def report(self) -> dict:
         return {"samples": len(self), "reads": self.reads.tolist(), "most_asked": self.most_asked,
                 "window": self.window, "cache": str(self.cache) if self.cache else None}
-
-
-_NOWHERE = Path("/nonexistent/eyas-stream-uncached")
 
 
 def _save_atomic(codes: dict[str, torch.Tensor], path: Path) -> None:
@@ -225,14 +226,15 @@ def open_stream(recipe: Recipe, target_config: Any, identity: str) -> tuple[Stre
                             workers=cfg.stream_window)
         spec = feature_spec(recipe, target_config)
         depth = int(target_config.num_hidden_layers)
-        dtype = resolve_dtype(recipe.target.dtype, pick_device(recipe.target.device))
+        dtype = getattr(torch, engines.dtype)  # the norm runs in the engine's dtype, as the vLLM dump's does
         capture = Capture(spec, engines.layer_ids, depth, manifest_features(spec, int(target_config.hidden_size)),
                           final_norm(target_config, Path(engines.target), dtype) if depth in engines.layer_ids else None,
                           ids_dtype(int(target_config.vocab_size)))
         readers = {}
+        keep = keeps_cache(recipe, target_config)
         for split in ("train", "heldout"):
             dataset = load_prepared(run_dir, split)
-            cache = cache_folder(recipe, target_config, identity, dataset, split)
+            cache = cache_folder(recipe, identity, spec, dataset, split) if keep else None
             readers[split] = StreamReader(dataset, fleet, capture, recipe.dump.shard_tokens, cfg.stream_window, cache)
         rank = int(os.environ.get("RANK", "0"))
         return Stream(fleet, servers, readers, run_dir / "stream" / f"report.rank{rank}.json"), spec["aux_layers"]
@@ -242,11 +244,8 @@ def open_stream(recipe: Recipe, target_config: Any, identity: str) -> tuple[Stre
         raise
 
 
-def cache_folder(recipe: Recipe, target_config: Any, identity: str, dataset: Any, split: str) -> Path | None:
-    """Where a split's captured codes are kept for later epochs, or None (`train.stream_cache`)."""
-    if not keeps_cache(recipe, target_config):
-        return None
-    spec = feature_spec(recipe, target_config)
+def cache_folder(recipe: Recipe, identity: str, spec: dict, dataset: Any, split: str) -> Path:
+    """Where a split's captured codes are kept for later epochs: a folder per target, layers, encodings and data."""
     key = json.dumps([identity, spec["aux_layers"], spec["aux_encodings"], spec["last_encoding"],
                       data_fingerprint(dataset)])
     return recipe.run_dir / "stream" / "cache" / f"{split}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
